@@ -1,0 +1,362 @@
+// CPU backend of the fused accumulation kernels.
+//
+// Note [CPU vector paths]
+// The extension is compiled for the baseline x86-64 ISA so that it loads on any CPU
+// PyTorch supports. The hot loops therefore exist twice: a portable version the
+// compiler vectorises for the baseline, and an AVX2+FMA+F16C version selected at run
+// time with __builtin_cpu_supports. The AVX2 versions carry GCC's target attribute on
+// the functions themselves (not a file-wide pragma), so inline functions from ATen's
+// headers are never compiled for AVX2 in this file and no AVX2 instruction can leak
+// into code shared with the baseline path.
+// Within one path every element is computed the same way (the AVX2 path uses a fused
+// multiply-add for vector bodies and tails alike), so a result depends only on the
+// path, never on where a tensor starts or how work was split between threads.
+#include "../ops.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/irange.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define VFLOW_CPU_AVX2 1
+#endif
+
+namespace vflow {
+namespace {
+
+// Work below this many elements runs on the calling thread: waking the pool costs
+// more than the pass itself.
+constexpr int64_t kGrainElems = 32768;
+
+enum class GradKind { kFloat, kDouble, kBFloat16, kHalf };
+
+GradKind grad_kind(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return GradKind::kFloat;
+    case at::kDouble:
+      return GradKind::kDouble;
+    case at::kBFloat16:
+      return GradKind::kBFloat16;
+    case at::kHalf:
+      return GradKind::kHalf;
+    default:
+      TORCH_INTERNAL_ASSERT(false, "unexpected gradient dtype ", t);
+  }
+}
+
+inline float bf16_bits_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+// ---- Portable path ----
+
+template <typename T>
+void axpy_portable(T* __restrict__ acc, const T* __restrict__ g, T w, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    acc[i] += w * g[i];
+  }
+}
+
+void axpy_bf16_portable(float* __restrict__ acc, const uint16_t* __restrict__ g, float w,
+                        int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    acc[i] += w * bf16_bits_to_float(g[i]);
+  }
+}
+
+void axpy_f16_portable(float* __restrict__ acc, const c10::Half* __restrict__ g, float w,
+                       int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    acc[i] += w * static_cast<float>(g[i]);
+  }
+}
+
+template <typename T>
+void scale_portable(T* __restrict__ x, T f, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] *= f;
+  }
+}
+
+template <typename T>
+bool scale_check_portable(T* __restrict__ x, T f, bool write, int64_t n) {
+  bool bad = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const T y = x[i] * f;
+    if (write) {
+      x[i] = y;
+    }
+    bad |= !std::isfinite(y);
+  }
+  return bad;
+}
+
+// ---- AVX2 path (see Note [CPU vector paths]) ----
+#ifdef VFLOW_CPU_AVX2
+#define VFLOW_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+VFLOW_AVX2 void axpy_f32_avx2(float* acc, const float* g, float w, int64_t n) {
+  const __m256 wv = _mm256_set1_ps(w);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 a0 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(g + i), _mm256_loadu_ps(acc + i));
+    const __m256 a1 =
+        _mm256_fmadd_ps(wv, _mm256_loadu_ps(g + i + 8), _mm256_loadu_ps(acc + i + 8));
+    _mm256_storeu_ps(acc + i, a0);
+    _mm256_storeu_ps(acc + i + 8, a1);
+  }
+  for (; i < n; ++i) {
+    acc[i] = __builtin_fmaf(w, g[i], acc[i]);
+  }
+}
+
+VFLOW_AVX2 inline __m256 load_bf16x8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+VFLOW_AVX2 void axpy_bf16_avx2(float* acc, const uint16_t* g, float w, int64_t n) {
+  const __m256 wv = _mm256_set1_ps(w);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 a0 = _mm256_fmadd_ps(wv, load_bf16x8(g + i), _mm256_loadu_ps(acc + i));
+    const __m256 a1 = _mm256_fmadd_ps(wv, load_bf16x8(g + i + 8), _mm256_loadu_ps(acc + i + 8));
+    _mm256_storeu_ps(acc + i, a0);
+    _mm256_storeu_ps(acc + i + 8, a1);
+  }
+  for (; i < n; ++i) {
+    acc[i] = __builtin_fmaf(w, bf16_bits_to_float(g[i]), acc[i]);
+  }
+}
+
+VFLOW_AVX2 inline __m256 load_f16x8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+VFLOW_AVX2 void axpy_f16_avx2(float* acc, const uint16_t* g, float w, int64_t n) {
+  const __m256 wv = _mm256_set1_ps(w);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 a0 = _mm256_fmadd_ps(wv, load_f16x8(g + i), _mm256_loadu_ps(acc + i));
+    const __m256 a1 = _mm256_fmadd_ps(wv, load_f16x8(g + i + 8), _mm256_loadu_ps(acc + i + 8));
+    _mm256_storeu_ps(acc + i, a0);
+    _mm256_storeu_ps(acc + i + 8, a1);
+  }
+  for (; i < n; ++i) {
+    acc[i] = __builtin_fmaf(w, _cvtsh_ss(g[i]), acc[i]);
+  }
+}
+
+VFLOW_AVX2 void axpy_f64_avx2(double* acc, const double* g, double w, int64_t n) {
+  const __m256d wv = _mm256_set1_pd(w);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256d a0 = _mm256_fmadd_pd(wv, _mm256_loadu_pd(g + i), _mm256_loadu_pd(acc + i));
+    const __m256d a1 =
+        _mm256_fmadd_pd(wv, _mm256_loadu_pd(g + i + 4), _mm256_loadu_pd(acc + i + 4));
+    _mm256_storeu_pd(acc + i, a0);
+    _mm256_storeu_pd(acc + i + 4, a1);
+  }
+  for (; i < n; ++i) {
+    acc[i] = __builtin_fma(w, g[i], acc[i]);
+  }
+}
+
+VFLOW_AVX2 void scale_f32_avx2(float* x, float f, int64_t n) {
+  const __m256 fv = _mm256_set1_ps(f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), fv));
+  }
+  for (; i < n; ++i) {
+    x[i] *= f;
+  }
+}
+
+// Non-finite detection: y * 0 is 0 for finite y and NaN for inf/NaN, and only NaN
+// compares unordered with itself.
+VFLOW_AVX2 bool scale_check_f32_avx2(float* x, float f, bool write, int64_t n) {
+  const __m256 fv = _mm256_set1_ps(f);
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 bad = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + i), fv);
+    if (write) {
+      _mm256_storeu_ps(x + i, y);
+    }
+    const __m256 probe = _mm256_mul_ps(y, zero);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(probe, probe, _CMP_UNORD_Q));
+  }
+  bool any = _mm256_movemask_ps(bad) != 0;
+  for (; i < n; ++i) {
+    const float y = x[i] * f;
+    if (write) {
+      x[i] = y;
+    }
+    any |= !std::isfinite(y);
+  }
+  return any;
+}
+
+bool cpu_has_avx2() {
+  // Also runs during static initialisation, before libgcc's CPU probe may have run.
+  __builtin_cpu_init();
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c");
+  return has;
+}
+#else
+bool cpu_has_avx2() {
+  return false;
+}
+#endif
+
+// User-selectable for tests and benchmarks; defaults to the best path available.
+std::atomic<bool> g_use_avx2{cpu_has_avx2()};
+
+void axpy_segment(const at::Tensor& acc, const at::Tensor& grad, double weight, int64_t begin,
+                  int64_t len) {
+  const bool avx2 = g_use_avx2.load(std::memory_order_relaxed);
+  (void)avx2;
+  if (acc.scalar_type() == at::kDouble) {
+    double* a = acc.data_ptr<double>() + begin;
+    const double* g = grad.const_data_ptr<double>() + begin;
+#ifdef VFLOW_CPU_AVX2
+    if (avx2) {
+      return axpy_f64_avx2(a, g, weight, len);
+    }
+#endif
+    return axpy_portable(a, g, weight, len);
+  }
+  float* a = acc.data_ptr<float>() + begin;
+  const float w = static_cast<float>(weight);
+  switch (grad_kind(grad.scalar_type())) {
+    case GradKind::kFloat: {
+      const float* g = grad.const_data_ptr<float>() + begin;
+#ifdef VFLOW_CPU_AVX2
+      if (avx2) {
+        return axpy_f32_avx2(a, g, w, len);
+      }
+#endif
+      return axpy_portable(a, g, w, len);
+    }
+    case GradKind::kBFloat16: {
+      const auto* g = reinterpret_cast<const uint16_t*>(grad.const_data_ptr<at::BFloat16>()) + begin;
+#ifdef VFLOW_CPU_AVX2
+      if (avx2) {
+        return axpy_bf16_avx2(a, g, w, len);
+      }
+#endif
+      return axpy_bf16_portable(a, g, w, len);
+    }
+    case GradKind::kHalf: {
+      const c10::Half* g = grad.const_data_ptr<c10::Half>() + begin;
+#ifdef VFLOW_CPU_AVX2
+      if (avx2) {
+        return axpy_f16_avx2(a, reinterpret_cast<const uint16_t*>(g), w, len);
+      }
+#endif
+      return axpy_f16_portable(a, g, w, len);
+    }
+    case GradKind::kDouble:
+      break;
+  }
+  TORCH_INTERNAL_ASSERT(false, "float64 gradient reached a float32 accumulator");
+}
+
+} // namespace
+
+void set_cpu_vector_path(const std::string& name) {
+  TORCH_CHECK(name == "avx2" || name == "portable",
+              "name must be 'avx2' or 'portable', got '", name, "'");
+  TORCH_CHECK(name != "avx2" || cpu_has_avx2(),
+              "name='avx2' but this CPU (or build) lacks AVX2/FMA/F16C");
+  g_use_avx2.store(name == "avx2");
+}
+
+std::string cpu_vector_path() {
+  return g_use_avx2.load() ? "avx2" : "portable";
+}
+
+void multi_accumulate_cpu(
+    const std::vector<at::Tensor>& accs,
+    const std::vector<at::Tensor>& grads,
+    double weight) {
+  // The list is treated as one long virtual array so threads split the total work
+  // evenly however the sizes are distributed (one huge tensor or thousands of tiny
+  // ones); `ends[i]` is the exclusive end of tensor i in that array.
+  std::vector<int64_t> ends(accs.size());
+  int64_t total = 0;
+  for (const auto i : c10::irange(accs.size())) {
+    total += accs[i].numel();
+    ends[i] = total;
+  }
+  at::parallel_for(0, total, kGrainElems, [&](int64_t begin, int64_t end) {
+    auto it = std::upper_bound(ends.begin(), ends.end(), begin);
+    for (int64_t pos = begin; pos < end; ++it) {
+      const auto i = static_cast<size_t>(it - ends.begin());
+      const int64_t start = ends[i] - accs[i].numel();
+      const int64_t stop = std::min(end, ends[i]);
+      axpy_segment(accs[i], grads[i], weight, pos - start, stop - pos);
+      pos = stop;
+    }
+  });
+}
+
+void scale_cpu(const at::Tensor& buf, double factor) {
+  const bool avx2 = g_use_avx2.load(std::memory_order_relaxed);
+  (void)avx2;
+  at::parallel_for(0, buf.numel(), kGrainElems, [&](int64_t begin, int64_t end) {
+    if (buf.scalar_type() == at::kDouble) {
+      return scale_portable(buf.data_ptr<double>() + begin, factor, end - begin);
+    }
+    float* x = buf.data_ptr<float>() + begin;
+#ifdef VFLOW_CPU_AVX2
+    if (avx2) {
+      return scale_f32_avx2(x, static_cast<float>(factor), end - begin);
+    }
+#endif
+    scale_portable(x, static_cast<float>(factor), end - begin);
+  });
+}
+
+void scale_check_cpu(const at::Tensor& buf, double factor, const at::Tensor& found_nonfinite) {
+  const bool avx2 = g_use_avx2.load(std::memory_order_relaxed);
+  (void)avx2;
+  const bool write = factor != 1.0;
+  std::atomic<bool> any{false};
+  at::parallel_for(0, buf.numel(), kGrainElems, [&](int64_t begin, int64_t end) {
+    bool bad;
+    if (buf.scalar_type() == at::kDouble) {
+      bad = scale_check_portable(buf.data_ptr<double>() + begin, factor, write, end - begin);
+    } else {
+      float* x = buf.data_ptr<float>() + begin;
+      const float f = static_cast<float>(factor);
+#ifdef VFLOW_CPU_AVX2
+      bad = avx2 ? scale_check_f32_avx2(x, f, write, end - begin)
+                 : scale_check_portable(x, f, write, end - begin);
+#else
+      bad = scale_check_portable(x, f, write, end - begin);
+#endif
+    }
+    if (bad) {
+      any.store(true, std::memory_order_relaxed);
+    }
+  });
+  if (any.load()) {
+    found_nonfinite.fill_(1.0f);
+  }
+}
+
+} // namespace vflow

@@ -1,0 +1,140 @@
+#include "ops.h"
+
+#include <c10/util/irange.h>
+
+namespace vflow {
+namespace {
+
+bool allowed_grad_dtype(at::ScalarType acc, at::ScalarType grad) {
+  if (acc == at::kFloat) {
+    return grad == at::kFloat || grad == at::kBFloat16 || grad == at::kHalf;
+  }
+  return acc == at::kDouble && grad == at::kDouble;
+}
+
+void check_buffer(const at::Tensor& buf, const char* name) {
+  TORCH_CHECK(buf.defined(), name, " must be a defined tensor");
+  TORCH_CHECK(
+      buf.scalar_type() == at::kFloat || buf.scalar_type() == at::kDouble,
+      name, " must be float32 or float64, got ", buf.scalar_type());
+  TORCH_CHECK(buf.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(buf.device().is_cpu() || buf.device().is_cuda(),
+              name, " must be on a CPU or CUDA device, got ", buf.device());
+}
+
+#ifndef VFLOW_WITH_CUDA
+[[noreturn]] void no_cuda(const char* what) {
+  TORCH_CHECK(false, what, ": this build of vflow has no CUDA kernels; rebuild with a CUDA "
+              "build of torch and nvcc available (see README, 'CUDA build')");
+}
+#endif
+
+} // namespace
+
+void multi_accumulate_(
+    const std::vector<at::Tensor>& accs,
+    const std::vector<at::Tensor>& grads,
+    double weight) {
+  TORCH_CHECK(accs.size() == grads.size(), "accs and grads must have the same length, got ",
+              accs.size(), " and ", grads.size());
+  // See Note [Kernel contracts]: only contiguous, non-empty pairs reach a backend.
+  std::vector<at::Tensor> fused_accs;
+  std::vector<at::Tensor> fused_grads;
+  fused_accs.reserve(accs.size());
+  fused_grads.reserve(grads.size());
+  c10::optional<at::Device> device;
+  for (const auto i : c10::irange(accs.size())) {
+    const at::Tensor& acc = accs[i];
+    const at::Tensor& grad = grads[i];
+    TORCH_CHECK(acc.defined() && grad.defined(), "accs[", i, "] and grads[", i,
+                "] must be defined tensors");
+    TORCH_CHECK(acc.scalar_type() == at::kFloat || acc.scalar_type() == at::kDouble,
+                "accs[", i, "] must be float32 or float64, got ", acc.scalar_type());
+    TORCH_CHECK(allowed_grad_dtype(acc.scalar_type(), grad.scalar_type()), "grads[", i,
+                "] has dtype ", grad.scalar_type(), ", which cannot be accumulated into a ",
+                acc.scalar_type(), " accumulator (float32 takes float32/bfloat16/float16, "
+                "float64 takes float64)");
+    TORCH_CHECK(acc.is_contiguous(), "accs[", i, "] must be contiguous");
+    TORCH_CHECK(acc.sizes() == grad.sizes(), "grads[", i, "] has shape ", grad.sizes(),
+                " but accs[", i, "] has shape ", acc.sizes());
+    TORCH_CHECK(acc.device() == grad.device(), "grads[", i, "] is on ", grad.device(),
+                " but accs[", i, "] is on ", acc.device());
+    TORCH_CHECK(!grad.is_sparse(), "grads[", i, "] is sparse; only dense gradients are supported");
+    if (!device) {
+      device = acc.device();
+    }
+    TORCH_CHECK(acc.device() == *device, "all tensors must be on one device, accs[", i,
+                "] is on ", acc.device(), " but accs[0] is on ", *device);
+    if (acc.numel() == 0) {
+      continue;
+    }
+    if (!grad.is_contiguous()) {
+      // Rare (e.g. a channels_last parameter): the strided TensorIterator path is exact
+      // and avoids materialising a contiguous copy of the gradient.
+      acc.add_(grad, weight);
+      continue;
+    }
+    fused_accs.push_back(acc);
+    fused_grads.push_back(grad);
+  }
+  if (fused_accs.empty()) {
+    return;
+  }
+  if (device->is_cuda()) {
+#ifdef VFLOW_WITH_CUDA
+    multi_accumulate_cuda(fused_accs, fused_grads, weight);
+#else
+    no_cuda("multi_accumulate_");
+#endif
+  } else {
+    TORCH_CHECK(device->is_cpu(), "tensors must be on a CPU or CUDA device, got ", *device);
+    multi_accumulate_cpu(fused_accs, fused_grads, weight);
+  }
+}
+
+void scale_(const at::Tensor& buf, double factor) {
+  check_buffer(buf, "buf");
+  if (buf.numel() == 0 || factor == 1.0) {
+    return;
+  }
+  if (buf.is_cuda()) {
+#ifdef VFLOW_WITH_CUDA
+    scale_cuda(buf, factor);
+#else
+    no_cuda("scale_");
+#endif
+  } else {
+    scale_cpu(buf, factor);
+  }
+}
+
+void scale_check_(const at::Tensor& buf, double factor, const at::Tensor& found_nonfinite) {
+  check_buffer(buf, "buf");
+  TORCH_CHECK(found_nonfinite.defined() && found_nonfinite.dim() == 0 &&
+                  found_nonfinite.scalar_type() == at::kFloat,
+              "found_nonfinite must be a 0-dim float32 tensor");
+  TORCH_CHECK(found_nonfinite.device() == buf.device(), "found_nonfinite is on ",
+              found_nonfinite.device(), " but buf is on ", buf.device());
+  if (buf.numel() == 0) {
+    return;
+  }
+  if (buf.is_cuda()) {
+#ifdef VFLOW_WITH_CUDA
+    scale_check_cuda(buf, factor, found_nonfinite);
+#else
+    no_cuda("scale_check_");
+#endif
+  } else {
+    scale_check_cpu(buf, factor, found_nonfinite);
+  }
+}
+
+bool built_with_cuda() {
+#ifdef VFLOW_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+} // namespace vflow

@@ -1,0 +1,106 @@
+"""Builds vflow and its C++/CUDA extension ``vflow._C``.
+
+The CUDA kernels are compiled when the *toolchain* supports them (a CUDA build of
+PyTorch and an nvcc that cpp_extension can find), never based on whether a GPU is
+visible: wheels are often built on machines without one. ``VFLOW_CUDA`` overrides
+the decision (``0`` forces a CPU-only build, ``1`` fails loudly if CUDA is missing).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+try:
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+except ImportError:  # pragma: no cover - exercised only on a broken install
+    sys.exit(
+        "vflow: building the extension needs PyTorch importable at build time.\n"
+        "Install torch first, then build against it with: pip install --no-build-isolation ."
+    )
+
+ROOT = Path(__file__).resolve().parent
+# Without a visible GPU, cpp_extension would compile for every architecture the
+# toolkit knows (minutes per architecture); these cover Ampere, Hopper and newer.
+DEFAULT_CUDA_ARCHS = "8.0;9.0;10.0+PTX"
+
+
+def _cuda_decision() -> tuple[bool, str]:
+    override = os.environ.get("VFLOW_CUDA", "auto").strip().lower()
+    has_toolchain = torch.version.cuda is not None and CUDA_HOME is not None
+    why = f"torch.version.cuda={torch.version.cuda}, CUDA_HOME={CUDA_HOME}"
+    if override in ("0", "off", "false", "no"):
+        return False, f"disabled by VFLOW_CUDA={override}"
+    if override in ("1", "on", "true", "yes"):
+        if not has_toolchain:
+            sys.exit(f"vflow: VFLOW_CUDA={override} but no CUDA toolchain is usable ({why})")
+        return True, f"forced by VFLOW_CUDA={override} ({why})"
+    if override != "auto":
+        sys.exit(f"vflow: VFLOW_CUDA must be auto, 0 or 1, got {override!r}")
+    return has_toolchain, f"auto: {why}"
+
+
+def _nvidia_wheel_includes() -> list[str]:
+    """Header folders of NVIDIA's pip wheels (cuBLAS, cuSPARSE, ...).
+
+    Torch's CUDA headers include cublas_v2.h and cusparse.h; a bare toolkit may lack
+    them while the CUDA build of torch ships them as ``nvidia-*`` wheels.
+    """
+    try:
+        import nvidia  # type: ignore[import-not-found]
+    except ImportError:
+        return []
+    found = []
+    for base in map(Path, nvidia.__path__):
+        found += [str(p) for p in sorted(base.glob("*/include")) if p.is_dir()]
+    return found
+
+
+def _extension():
+    use_cuda, reason = _cuda_decision()
+    print(f"vflow: CUDA kernels {'ON' if use_cuda else 'OFF'} ({reason})", flush=True)
+    sources = [
+        "csrc/bindings.cpp",
+        "csrc/ops.cpp",
+        "csrc/grad_buffer.cpp",
+        "csrc/cpu/accumulate_cpu.cpp",
+    ]
+    cxx = ["-O3", f'-DVFLOW_TORCH_VERSION="{torch.__version__}"']
+    if not use_cuda:
+        return CppExtension("vflow._C", sources, extra_compile_args={"cxx": cxx})
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
+    print(f"vflow: TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '(visible GPUs)')}")
+    nvcc = ["-O3", "-lineinfo", "-DVFLOW_WITH_CUDA"]
+    if os.environ.get("VFLOW_PTXAS_VERBOSE") == "1":
+        nvcc.append("-Xptxas=-v")
+    return CUDAExtension(
+        "vflow._C",
+        sources + ["csrc/cuda/accumulate_cuda.cu"],
+        include_dirs=_nvidia_wheel_includes(),
+        extra_compile_args={"cxx": cxx + ["-DVFLOW_WITH_CUDA"], "nvcc": nvcc},
+    )
+
+
+def _torch_requirement() -> str:
+    # The extension's ABI is tied to the torch it was compiled against: pin that release.
+    public_version = torch.__version__.split("+")[0]
+    return f"torch=={public_version}"
+
+
+setup(
+    name="vflow",
+    version="0.1.0",
+    description="Virtual node processing for PyTorch: hardware-independent batch size and results",
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["vflow", "vflow.*"]),
+    install_requires=[_torch_requirement(), "numpy"],
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

@@ -1,0 +1,49 @@
+"""Per-virtual-node random streams.
+
+Note [VN randomness]: the draws of VN i at step s come from generators seeded with
+``vn_seed(seed, s, i)``, so dropout masks and other random ops depend on the VN, not
+on which worker runs it or on what ran before it on that worker. The caller's own RNG
+state is saved before a step and restored after it, so using vflow does not perturb
+random draws the training script makes between steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+# Distinct streams so that training and inference at the same step never share draws.
+TRAIN_STREAM = 0
+INFER_STREAM = 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def vn_seed(seed: int, step: int, vn: int, stream: int = TRAIN_STREAM) -> int:
+    """A 63-bit seed for (seed, step, vn, stream); well mixed, stable across releases."""
+    x = _splitmix64(seed & _MASK64)
+    for part in (step, vn, stream):
+        x = _splitmix64(x ^ (part & _MASK64))
+    return x >> 1
+
+
+def seed_all(value: int) -> None:
+    """Seeds the CPU generator and, if CUDA is initialised, every CUDA generator."""
+    torch.manual_seed(value)
+
+
+@contextlib.contextmanager
+def preserved_rng(devices: list[torch.device]) -> Iterator[None]:
+    """Restores the CPU and the given CUDA devices' RNG states on exit."""
+    cuda_indices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda_indices):
+        yield
