@@ -80,9 +80,9 @@ def _extension():
         nvcc.append("-Xptxas=-v")
     return CUDAExtension(
         "vflow._C",
-        sources + ["csrc/cuda/accumulate_cuda.cu"],
+        [*sources, "csrc/cuda/accumulate_cuda.cu"],
         include_dirs=_nvidia_wheel_includes(),
-        extra_compile_args={"cxx": cxx + ["-DVFLOW_WITH_CUDA"], "nvcc": nvcc},
+        extra_compile_args={"cxx": [*cxx, "-DVFLOW_WITH_CUDA"], "nvcc": nvcc},
     )
 
 

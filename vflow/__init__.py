@@ -10,5 +10,5 @@ from vflow.amp import LossScaler
 from vflow.batching import split_sizes
 from vflow.executor import Executor, PhaseTimings, StepResult
 
-__all__ = ["Executor", "LossScaler", "PhaseTimings", "StepResult", "_C", "split_sizes"]
+__all__ = ["_C", "Executor", "LossScaler", "PhaseTimings", "StepResult", "split_sizes"]
 __version__ = "0.1.0"

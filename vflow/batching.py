@@ -100,9 +100,7 @@ def concat_outputs(outputs: Sequence[Batch], name: str = "output") -> Batch:
             (k, concat_outputs([o[k] for o in outputs], f"{name}[{k!r}]")) for k in first
         )
     if isinstance(first, (tuple, list)):
-        parts = [
-            concat_outputs([o[i] for o in outputs], f"{name}[{i}]") for i in range(len(first))
-        ]
+        parts = [concat_outputs([o[i] for o in outputs], f"{name}[{i}]") for i in range(len(first))]
         if isinstance(first, tuple) and hasattr(first, "_fields"):
             return type(first)(*parts)
         return type(first)(parts)

@@ -173,7 +173,9 @@ class Executor:
         if max_grad_norm is not None and not (
             isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0
         ):
-            raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm}")
+            raise ValueError(
+                f"max_grad_norm must be a positive number or None, got {max_grad_norm}"
+            )
         if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb}")
         if not (loss_scale is None or isinstance(loss_scale, (bool, LossScaler))):
@@ -306,7 +308,7 @@ class Executor:
         for vn, size in enumerate(sizes):
             vn_batch = slice_batch(batch, start, start + size)
             start += size
-            rng.seed_all(rng.vn_seed(self.seed, self.step_count, vn))
+            rng.seed_all(rng.vn_seed(self.seed, self.step_count, vn), self._devices)
             with self._autocast():
                 out = self.loss_fn(self.model, vn_batch)
             loss, items, this_kind = self._parse_loss(out, vn)
@@ -382,7 +384,9 @@ class Executor:
                 f"{where} returned a loss of shape {tuple(loss.shape)}; expected a scalar"
             )
         if not loss.is_floating_point():
-            raise TypeError(f"{where} returned a loss of dtype {loss.dtype}; expected floating point")
+            raise TypeError(
+                f"{where} returned a loss of dtype {loss.dtype}; expected floating point"
+            )
         if not loss.requires_grad:
             raise ValueError(
                 f"{where} returned a loss that does not require grad; it must be computed from "
@@ -436,7 +440,9 @@ class Executor:
         start = 0
         with rng.preserved_rng(self._devices):
             for vn, size in enumerate(sizes):
-                rng.seed_all(rng.vn_seed(self.seed, self.step_count, vn, rng.INFER_STREAM))
+                rng.seed_all(
+                    rng.vn_seed(self.seed, self.step_count, vn, rng.INFER_STREAM), self._devices
+                )
                 with self._autocast():
                     outputs.append(forward(self.model, slice_batch(batch, start, start + size)))
                 start += size

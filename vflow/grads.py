@@ -111,7 +111,9 @@ class GradAccumulator:
 
     def _flush(self, bucket: _Bucket) -> None:
         if bucket.pending_slots:
-            bucket.group.buffer.accumulate_(bucket.pending_slots, bucket.pending_grads, self._weight)
+            bucket.group.buffer.accumulate_(
+                bucket.pending_slots, bucket.pending_grads, self._weight
+            )
         self._drop_pending(bucket)
 
     @staticmethod

@@ -67,6 +67,9 @@ constexpr int kMultiThreads = 512;
 // memory-level parallelism for a purely bandwidth-bound kernel.
 constexpr int kUnroll = 4;
 
+// 48 x 24 B of tensor slots + 448 x 5 B of chunk table = 3392 B of arguments.
+// 448 blocks is more than one wave on a 132-SM H100/H200 at two resident
+// blocks per SM, so even a single huge tensor needs few launches.
 constexpr int kMaxTensorsPerLaunch = 48;
 constexpr int kMaxBlocksPerLaunch = 448;
 
@@ -112,8 +115,12 @@ __device__ __forceinline__ bool is_aligned16(const void* p) {
 // acc[i] += weight * grad[i] over one chunk of one tensor per block.
 // Math is done in acc_t: gradients are widened first, so a bf16 gradient is
 // accumulated with fp32 rounding, never bf16 rounding.
+//
+// At least two resident blocks per SM (<= 64 registers per thread) keep enough
+// warps in flight to hide memory latency; without the bound the bf16 variant
+// used 90 registers, i.e. a single 512-thread block per SM.
 template <typename acc_t, typename grad_t>
-__global__ void __launch_bounds__(kMultiThreads)
+__global__ void __launch_bounds__(kMultiThreads, 2)
     multi_accumulate_kernel(MultiTensorMeta meta, acc_t weight) {
   const int slot = meta.block_to_tensor[blockIdx.x];
   const int64_t start = static_cast<int64_t>(meta.block_to_chunk[blockIdx.x]) * kChunkSize;
@@ -131,14 +138,17 @@ __global__ void __launch_bounds__(kMultiThreads)
     using GradPack = Pack<grad_t, kVec>;
     AccPack* __restrict__ acc_packs = reinterpret_cast<AccPack*>(acc);
     const GradPack* __restrict__ grad_packs = reinterpret_cast<const GradPack*>(grad);
+    // A half-precision gradient's fp32 accumulator pack is 32 bytes; halving
+    // the unroll keeps the bytes in flight per thread (and registers) similar.
+    constexpr int kPackUnroll = sizeof(AccPack) > kVectorBytes ? kUnroll / 2 : kUnroll;
     const int n_packs = n / kVec;
-    for (int base = threadIdx.x; base < n_packs; base += kUnroll * kMultiThreads) {
-      AccPack a[kUnroll];
-      GradPack g[kUnroll];
-      // All loads are issued before any arithmetic so that kUnroll x 2
+    for (int base = threadIdx.x; base < n_packs; base += kPackUnroll * kMultiThreads) {
+      AccPack a[kPackUnroll];
+      GradPack g[kPackUnroll];
+      // All loads are issued before any arithmetic so that 2 x kPackUnroll
       // transactions per thread are outstanding at once.
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < kPackUnroll; ++u) {
         const int i = base + u * kMultiThreads;
         if (i < n_packs) {
           a[u] = acc_packs[i];
@@ -146,7 +156,7 @@ __global__ void __launch_bounds__(kMultiThreads)
         }
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < kPackUnroll; ++u) {
         const int i = base + u * kMultiThreads;
         if (i < n_packs) {
 #pragma unroll

@@ -1,0 +1,48 @@
+# Two entry points for a fresh machine (Python 3.10+ with pip and a C++ compiler):
+#   make demo   - installs everything into .venv and runs the main job end to end
+#   make test   - installs everything into .venv and runs the test suite
+# TORCH_VERSION pins the PyTorch the extension is built against (default: the CPU build).
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+PY := $(VENV)/bin/python
+DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)
+BUILD_STAMP := $(VENV)/.built
+EXT_SOURCES := setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.cpp csrc/cuda/*.cu)
+
+.PHONY: install demo test bench lint format clean
+
+install: $(BUILD_STAMP)
+
+$(DEPS_STAMP):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" numpy ninja setuptools wheel \
+		pytest ruff scikit-learn
+	touch $@
+
+$(BUILD_STAMP): $(DEPS_STAMP) $(EXT_SOURCES)
+	MAX_JOBS=2 $(PY) -m pip install -q --no-build-isolation -e .
+	touch $@
+
+demo: $(BUILD_STAMP)
+	$(PY) -m vflow demo $(ARGS)
+
+test: $(BUILD_STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(BUILD_STAMP)
+	$(PY) benchmarks/accumulate.py $(ARGS)
+	$(PY) benchmarks/step.py $(ARGS)
+
+lint: $(DEPS_STAMP)
+	$(VENV)/bin/ruff check vflow tests benchmarks setup.py
+	$(VENV)/bin/ruff format --check vflow tests benchmarks setup.py
+
+format: $(DEPS_STAMP)
+	$(VENV)/bin/ruff format vflow tests benchmarks setup.py
+	$(VENV)/bin/ruff check --fix vflow tests benchmarks setup.py
+
+clean:
+	rm -rf build *.egg-info vflow/_C*.so $(BUILD_STAMP)

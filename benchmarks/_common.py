@@ -1,0 +1,279 @@
+"""Helpers shared by the vflow benchmarks: device choice, environment header, timing,
+statistics, tables and JSON output.
+
+The scripts import this module by name, so they are meant to be run as files
+(``python benchmarks/accumulate.py``), which puts this folder on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import timeit
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils.benchmark as tbench
+
+import vflow
+from vflow import _C
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda or cuda:N (default: cuda if available, else cpu)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="short run with fewer repetitions and smaller inputs (CI smoke test)",
+    )
+    parser.add_argument(
+        "--json", type=Path, default=None, metavar="PATH", help="write all results to PATH"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's default); 1 avoids descheduled "
+        "OpenMP workers on a busy machine",
+    )
+
+
+def apply_threads(threads: int | None) -> None:
+    if threads is not None:
+        if threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {name}: torch sees no CUDA device")
+        if not _C.built_with_cuda():
+            raise SystemExit(
+                f"--device {name}: this build of vflow has no CUDA kernels (vflow._C."
+                "built_with_cuda() is False); rebuild it against a CUDA build of torch"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise SystemExit(f"--device {name}: only cpu and cuda are supported")
+    return device
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_revision() -> str | None:
+    # Results are only comparable between runs of known code; a dirty tree is flagged.
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{rev}-dirty" if dirty else rev
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """What a result depends on, recorded with every JSON record."""
+    affinity = usable_cpus()
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "torch_built_against": getattr(_C, "torch_version", "unknown"),
+        "vflow": vflow.__version__,
+        "git": _git_revision(),
+        "python": platform.python_version(),
+        "device": str(device),
+        "cpu": _cpu_model_name(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": affinity,
+        "torch_threads": torch.get_num_threads(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "vflow_cpu_vector_path": _C.cpu_vector_path(),
+        "vflow_built_with_cuda": _C.built_with_cuda(),
+        "loadavg_1min_at_start": load_average(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env["device_name"] = props.name
+        env["cuda"] = torch.version.cuda
+        env["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+    else:
+        env["device_name"] = env["cpu"]
+    return env
+
+
+def print_header(title: str, env: dict[str, Any]) -> None:
+    print(f"== {title} ==")
+    print(
+        f"torch {env['torch']} (vflow built against {env['torch_built_against']}), "
+        f"vflow {env['vflow']}, git {env['git'] or 'unknown'}, python {env['python']}"
+    )
+    print(f"device: {env['device']} ({env['device_name']})")
+    if "cuda" in env:
+        print(f"CUDA {env['cuda']}, {env['gpu_memory_gib']} GiB")
+    print(
+        f"CPU: {env['cpu']}; {env['cpu_count']} CPUs ({env['cpu_affinity']} usable), "
+        f"torch threads {env['torch_threads']}, torch CPU capability "
+        f"{env['torch_cpu_capability']}"
+    )
+    print(
+        f"vflow CPU vector path: {env['vflow_cpu_vector_path']}, "
+        f"CUDA kernels: {'yes' if env['vflow_built_with_cuda'] else 'no'}"
+    )
+    load = env["loadavg_1min_at_start"]
+    if load is not None:
+        print(f"load average (1 min): {load:.2f}")
+        warn_if_busy(load, env["cpu_affinity"], env["torch_threads"])
+    print(flush=True)
+
+
+def warn_if_busy(load: float | None, cpus: int, threads: int) -> None:
+    # With other processes runnable, an OpenMP parallel region waits for its slowest
+    # worker to be scheduled again; every multi-threaded torch op then costs time slices,
+    # and ops that open many regions (a per-tensor loop) look tens of times slower.
+    if load is not None and threads > 1 and load + threads > cpus + 0.5:
+        print(
+            f"WARNING: busy machine (load {load:.2f} on {cpus} CPUs, {threads} torch threads):"
+            " multi-threaded results may be dominated by descheduled workers; compare with"
+            " --threads 1"
+        )
+
+
+def time_blocks(
+    fn: Callable[[], object],
+    device: torch.device,
+    *,
+    min_run_time: float,
+    num_threads: int | None = None,
+    label: str = "",
+    description: str = "",
+) -> list[float]:
+    """Seconds per call of ``fn``, one value per block of torch's blocked_autorange.
+
+    Callers pool the blocks of several calls (taken in rounds, interleaved with the
+    other methods) and report the median, so slow drift on a shared machine hits every
+    method alike.
+    """
+    timer = tbench.Timer(
+        stmt="fn()",
+        globals={"fn": fn},
+        label=label,
+        description=description,
+        # Timer defaults to one thread; benchmark what users run.
+        num_threads=torch.get_num_threads() if num_threads is None else num_threads,
+        # Timer's default clock synchronises the accelerator; a CPU run need not pay it.
+        **({} if device.type == "cuda" else {"timer": timeit.default_timer}),
+    )
+    return list(timer.blocked_autorange(min_run_time=min_run_time).times)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def iqr(values: Sequence[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q3 - q1
+
+
+def fmt_ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "n/a"
+    ms = seconds * 1e3
+    if ms >= 100:
+        return f"{ms:.1f}"
+    if ms >= 1:
+        return f"{ms:.2f}"
+    return f"{ms:.4f}"
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain-text table; the first column is left-aligned, numbers right-aligned."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = []
+        for i, (cell, width) in enumerate(zip(cells, widths, strict=True)):
+            parts.append(cell.ljust(width) if i == 0 or not _numeric(cell) else cell.rjust(width))
+        return "  ".join(parts).rstrip()
+
+    out = [line(headers), "  ".join("-" * w for w in widths)]
+    out += [line(row) for row in rows]
+    return "\n".join(out)
+
+
+def _numeric(cell: str) -> bool:
+    stripped = cell.strip().rstrip("%x").replace(".", "", 1).replace("-", "", 1)
+    return stripped.isdigit()
+
+
+def write_json(path: Path, records: list[dict[str, Any]], env: dict[str, Any]) -> None:
+    """Writes ``records`` as a JSON list of dicts, each carrying the environment, so
+    files from several machines or commits can be concatenated and compared."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump([{**record, "env": env} for record in records], f, indent=2)
+        f.write("\n")
+    print(f"wrote {len(records)} results to {path}")

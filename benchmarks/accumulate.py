@@ -1,0 +1,442 @@
+"""Fused gradient accumulation (vflow) against PyTorch baselines on real parameter lists.
+
+One accumulation step is ``acc[i] += w * grad[i]`` for every parameter i, as vflow does
+after each virtual node's backward. Methods:
+
+* ``per-tensor add_``: ``acc.add_(g, alpha=w)`` per tensor, what a hand-written loop does;
+* ``torch._foreach_add_``: PyTorch's multi-tensor op (n/a where it rejects the dtypes);
+* ``vflow accumulate_``: ``GradBuffer.accumulate_`` into views of one flat buffer, the
+  call vflow's executor makes;
+* ``torch flat add_ (ref)``: one ``add_`` over a single tensor as large as the whole
+  list (fp32 only): the accumulate pattern with no per-tensor cost, done by PyTorch;
+* ``vflow accumulate_, 1 thread`` (CPU, not with --quick): shows thread scaling.
+
+Bandwidth: bytes moved = read grad + read acc + write acc. The memory-bandwidth limit
+is measured in the same run as ``dst.copy_(src)`` over 256 MB of fp32, counting read +
+write bytes, interleaved with the methods above.
+
+Run ``python benchmarks/accumulate.py --help`` for options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from _common import (
+    add_common_args,
+    apply_threads,
+    environment,
+    fmt_ms,
+    format_table,
+    iqr,
+    load_average,
+    median,
+    pick_device,
+    print_header,
+    synchronize,
+    time_blocks,
+    write_json,
+)
+
+from vflow import _C
+
+# The weight of one of 8 equal virtual nodes; a power of two, so every method computes
+# bit-identical products and the correctness check below can be tight.
+WEIGHT = 0.125
+COPY_BYTES = 256 * 2**20
+LOOP = "per-tensor add_"
+FOREACH = "torch._foreach_add_"
+FUSED = "vflow accumulate_"
+FUSED_1T = "vflow accumulate_, 1 thread"
+FLAT = "torch flat add_ (ref)"
+
+# On CPU, a copy with ordinary stores reads each destination line before writing it:
+# 3 streams of traffic for the 2 counted. Used only for the extra bound column.
+WRITE_ALLOCATE = 1.5
+
+# Targets printed beside the results (not asserted).
+TARGET_FP32_COPY_FRACTION = 0.80
+TARGET_BF16_SPEEDUP = 1.5
+
+Shape = tuple[int, ...]
+
+
+def resnet50_shapes() -> list[Shape]:
+    """Trainable parameter shapes of torchvision's resnet50, in named_parameters order."""
+    shapes: list[Shape] = [(64, 3, 7, 7), (64,), (64,)]  # conv1, bn1
+    inplanes = 64
+    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        out = width * 4  # bottleneck expansion
+        for block in range(blocks):
+            # fmt: off
+            shapes += [
+                (width, inplanes, 1, 1), (width,), (width,),
+                (width, width, 3, 3), (width,), (width,),
+                (out, width, 1, 1), (out,), (out,),
+            ]
+            # fmt: on
+            if block == 0:  # downsample: 1x1 conv + BN on the shortcut
+                shapes += [(out, inplanes, 1, 1), (out,), (out,)]
+            inplanes = out
+    shapes += [(1000, 2048), (1000,)]  # fc
+    return shapes
+
+
+def gpt2_shapes(layers: int = 12) -> list[Shape]:
+    """Trainable parameter shapes of GPT-2 small (HF layout: Conv1D weights are
+    (in, out); lm_head is tied to wte, so it adds no tensor)."""
+    d, vocab, ctx = 768, 50257, 1024
+    shapes: list[Shape] = [(vocab, d), (ctx, d)]  # wte, wpe
+    for _ in range(layers):
+        # fmt: off
+        shapes += [
+            (d,), (d,),  # ln_1
+            (d, 3 * d), (3 * d,),  # attn.c_attn
+            (d, d), (d,),  # attn.c_proj
+            (d,), (d,),  # ln_2
+            (d, 4 * d), (4 * d,),  # mlp.c_fc
+            (4 * d, d), (d,),  # mlp.c_proj
+        ]
+        # fmt: on
+    shapes += [(d,), (d,)]  # ln_f
+    return shapes
+
+
+def numel(shapes: list[Shape]) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
+@dataclass
+class Case:
+    """One parameter list with one gradient dtype, and the tensors every method uses."""
+
+    name: str
+    shapes: list[Shape]
+    grad_dtype: torch.dtype
+    methods: dict[str, Callable[[], object]]
+    unsupported: dict[str, str]
+    numel: int
+
+    @property
+    def bytes_moved(self) -> int:
+        grad_size = torch.empty((), dtype=self.grad_dtype).element_size()
+        return self.numel * (grad_size + 2 * 4)
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def build_case(
+    name: str,
+    shapes: list[Shape],
+    grad_dtype: torch.dtype,
+    device: torch.device,
+    *,
+    with_one_thread: bool,
+) -> Case:
+    gen = torch.Generator(device=device).manual_seed(0)
+    grads = [torch.randn(s, generator=gen, device=device).to(grad_dtype) for s in shapes]
+    # Only shapes and device are read from the "params"; the grads have both.
+    buffer = _C.GradBuffer(grads, torch.float32)
+    indices = list(range(len(grads)))
+    # Baselines accumulate into separately allocated tensors, as param.grad would be.
+    accs = [torch.zeros(s, device=device) for s in shapes]
+
+    def loop() -> None:
+        for acc, grad in zip(accs, grads, strict=True):
+            acc.add_(grad, alpha=WEIGHT)
+
+    def foreach() -> None:
+        torch._foreach_add_(accs, grads, alpha=WEIGHT)
+
+    def fused() -> None:
+        buffer.accumulate_(indices, grads, WEIGHT)
+
+    methods: dict[str, Callable[[], object]] = {LOOP: loop, FOREACH: foreach, FUSED: fused}
+    if with_one_thread:
+        methods[FUSED_1T] = fused
+    if grad_dtype == torch.float32:
+        total = numel(shapes)
+        flat_acc = torch.zeros(total, device=device)
+        flat_grad = torch.randn(total, generator=gen, device=device)
+        methods[FLAT] = lambda: flat_acc.add_(flat_grad, alpha=WEIGHT)
+
+    unsupported: dict[str, str] = {}
+    for method, fn in list(methods.items()):
+        try:
+            fn()
+            synchronize(device)
+        except (RuntimeError, TypeError, NotImplementedError) as e:
+            unsupported[method] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+            del methods[method]
+
+    # Guard against benchmarking a wrong computation: one fused call and one loop call
+    # from zero must agree.
+    buffer.zero_()
+    for acc in accs:
+        acc.zero_()
+    fused()
+    loop()
+    for view, acc in zip(buffer.views(), accs, strict=True):
+        if not torch.equal(view, acc):
+            raise AssertionError(f"{name}/{_short(grad_dtype)}: fused result differs from add_")
+    return Case(name, shapes, grad_dtype, methods, unsupported, numel(shapes))
+
+
+def make_copy(device: torch.device) -> Callable[[], object]:
+    src = torch.randn(COPY_BYTES // 4, device=device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def run_case(
+    case: Case,
+    device: torch.device,
+    copy_fn: Callable[[], object],
+    *,
+    rounds: int,
+    min_run_time: float,
+    copy_times: list[float],
+) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {m: [] for m in case.methods}
+    order = [*case.methods, "copy"]
+    for r in range(rounds):
+        # Rotating the order each round keeps "who ran right after whom" from biasing
+        # one method (caches, frequency, a neighbour's load on a shared machine).
+        shift = r % len(order)
+        for method in order[shift:] + order[:shift]:
+            if method == "copy":
+                copy_times += time_blocks(copy_fn, device, min_run_time=min_run_time, label="copy")
+                continue
+            times[method] += time_blocks(
+                case.methods[method],
+                device,
+                min_run_time=min_run_time,
+                num_threads=1 if method == FUSED_1T else None,
+                label=f"{case.name} {_short(case.grad_dtype)}",
+                description=method,
+            )
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(parser)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="interleaved rounds per case (default 5, 1 with --quick)",
+    )
+    parser.add_argument(
+        "--min-run-time",
+        type=float,
+        default=None,
+        help="seconds per blocked_autorange call (default 0.4, 0.05 with --quick)",
+    )
+    parser.add_argument(
+        "--gpt2-layers",
+        type=int,
+        default=None,
+        help="transformer layers of the GPT-2 list (default 12, 2 with --quick)",
+    )
+    args = parser.parse_args(argv)
+    apply_threads(args.threads)
+    device = pick_device(args.device)
+    rounds = args.rounds or (1 if args.quick else 5)
+    min_run_time = args.min_run_time or (0.05 if args.quick else 0.4)
+    gpt2_layers = args.gpt2_layers or (2 if args.quick else 12)
+
+    env = environment(device)
+    print_header("vflow benchmark: fused gradient accumulation", env)
+
+    lists = [("resnet50", resnet50_shapes()), (f"gpt2-{gpt2_layers}L", gpt2_shapes(gpt2_layers))]
+    # Catch typos in the hand-built lists against the published model sizes.
+    assert (len(lists[0][1]), numel(lists[0][1])) == (161, 25_557_032)
+    if gpt2_layers == 12:
+        assert (len(lists[1][1]), numel(lists[1][1])) == (148, 124_439_808)
+    for name, shapes in lists:
+        print(f"{name}: {len(shapes)} tensors, {numel(shapes) / 1e6:.2f} M params")
+    print(
+        f"weight {WEIGHT}, {rounds} round(s) x blocked_autorange(min_run_time="
+        f"{min_run_time}) per method; times are medians over all blocks\n",
+        flush=True,
+    )
+
+    copy_fn = make_copy(device)
+    copy_times: list[float] = []
+    with_one_thread = device.type == "cpu" and torch.get_num_threads() > 1 and not args.quick
+    measured: list[tuple[Case, dict[str, list[float]]]] = []
+    for name, shapes in lists:
+        for grad_dtype in (torch.float32, torch.bfloat16):
+            case = build_case(name, shapes, grad_dtype, device, with_one_thread=with_one_thread)
+            print(f"measuring {name} {_short(grad_dtype)} ...", flush=True)
+            times = run_case(
+                case,
+                device,
+                copy_fn,
+                rounds=rounds,
+                min_run_time=min_run_time,
+                copy_times=copy_times,
+            )
+            case.methods = {}  # frees the tensors; the times and metadata are kept
+            measured.append((case, times))
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    del copy_fn  # frees its buffers before the report
+
+    copy_s = median(copy_times)
+    copy_gbps = 2 * COPY_BYTES / copy_s / 1e9
+    records: list[dict[str, Any]] = [
+        {
+            "benchmark": "copy",
+            "bytes": 2 * COPY_BYTES,
+            "median_s": copy_s,
+            "iqr_s": iqr(copy_times),
+            "gbps": copy_gbps,
+            "times_s": copy_times,
+        }
+    ]
+    rows: list[list[str]] = []
+    limit_rows: list[list[str]] = []
+    targets: list[str] = []
+    for case, times in measured:
+        dt = _short(case.grad_dtype)
+        loop_s = median(times[LOOP]) if times.get(LOOP) else None
+        bound_s = case.bytes_moved / (copy_gbps * 1e9)
+        flat_s = median(times[FLAT]) if times.get(FLAT) else None
+        limit_rows.append(
+            [
+                case.name,
+                dt,
+                f"{case.bytes_moved / 1e6:.0f}",
+                fmt_ms(bound_s),
+                *([fmt_ms(bound_s / WRITE_ALLOCATE)] if device.type == "cpu" else []),
+                fmt_ms(flat_s) if flat_s else "-",
+            ]
+        )
+        for method in (LOOP, FOREACH, FUSED, FUSED_1T, FLAT):
+            record: dict[str, Any] = {
+                "benchmark": "accumulate",
+                "list": case.name,
+                "tensors": len(case.shapes),
+                "numel": case.numel,
+                "grad_dtype": dt,
+                "acc_dtype": "fp32",
+                "method": method,
+                "bytes": case.bytes_moved,
+                "copy_gbps": copy_gbps,
+            }
+            if method in case.unsupported:
+                record |= {"status": "n/a", "error": case.unsupported[method]}
+                records.append(record)
+                rows.append([case.name, dt, method, "n/a", "", "", "", "", "unsupported"])
+                continue
+            if method not in times:
+                continue
+            t = median(times[method])
+            gbps = case.bytes_moved / t / 1e9
+            speedup = loop_s / t if loop_s else None
+            note = ""
+            if method == FUSED and dt == "fp32":
+                ok = gbps >= TARGET_FP32_COPY_FRACTION * copy_gbps
+                note = f"target >={TARGET_FP32_COPY_FRACTION:.0%} copy: {'met' if ok else 'MISSED'}"
+                short = TARGET_FP32_COPY_FRACTION * copy_gbps - gbps
+                targets.append(
+                    f"{case.name} fp32 fused: {gbps / copy_gbps:.0%} of copy GB/s "
+                    f"(target >= {TARGET_FP32_COPY_FRACTION:.0%}) -> "
+                    + ("met" if ok else f"MISSED by {short:.1f} GB/s")
+                )
+            if method == FUSED and dt == "bf16" and speedup is not None:
+                ok = speedup >= TARGET_BF16_SPEEDUP
+                note = f"target >={TARGET_BF16_SPEEDUP}x loop: {'met' if ok else 'MISSED'}"
+                targets.append(
+                    f"{case.name} bf16->fp32 fused: {speedup:.2f}x the per-tensor loop "
+                    f"(target >= {TARGET_BF16_SPEEDUP}x) -> {'met' if ok else 'MISSED'}"
+                )
+            record |= {
+                "status": "ok",
+                "median_s": t,
+                "iqr_s": iqr(times[method]),
+                "gbps": gbps,
+                "pct_copy": 100 * gbps / copy_gbps,
+                "speedup_vs_loop": speedup,
+                "threads": 1 if method == FUSED_1T else torch.get_num_threads(),
+                "times_s": times[method],
+            }
+            records.append(record)
+            rows.append(
+                [
+                    case.name,
+                    dt,
+                    method,
+                    fmt_ms(t),
+                    f"{100 * iqr(times[method]) / t:.0f}%",
+                    f"{gbps:.1f}",
+                    f"{100 * gbps / copy_gbps:.0f}%",
+                    f"{speedup:.2f}x" if speedup else "n/a",
+                    note,
+                ]
+            )
+
+    print()
+    print(
+        f"copy bandwidth (dst.copy_(src), {COPY_BYTES // 2**20} MB fp32, read+write): "
+        f"{copy_gbps:.1f} GB/s (median of {len(copy_times)} blocks, "
+        f"{fmt_ms(copy_s)} ms per copy)"
+    )
+    print(
+        "\naccumulate limits implied by the copy bandwidth "
+        "(bytes = read grad + read acc + write acc):"
+    )
+    print(
+        format_table(
+            [
+                "list",
+                "grad",
+                "MB moved",
+                "bound ms",
+                *(["bound ms, copy x1.5"] if device.type == "cpu" else []),
+                "flat add_ ms",
+            ],
+            limit_rows,
+        )
+    )
+    if device.type == "cpu":
+        print(
+            "(bound ms = bytes / copy GB/s. On CPU, copy_'s ordinary stores first read\n"
+            " each destination line (write-allocate), so it moves 1.5x the bytes counted;\n"
+            " accumulate reads acc anyway and has no such extra traffic, so it can beat\n"
+            " the copy-derived bound: 'copy x1.5' is the bound with that traffic counted.)"
+        )
+    print("\nresults (median over all blocks; IQR relative to the median):")
+    print(
+        format_table(
+            ["list", "grad", "method", "median ms", "IQR", "GB/s", "% copy", "vs loop", "target"],
+            rows,
+        )
+    )
+    for method, reason in {(m, r) for case, _ in measured for m, r in case.unsupported.items()}:
+        print(f"n/a: {method}: {reason}")
+    print("\ntargets:")
+    for line in targets:
+        print(f"  {line}")
+    end_load = load_average()
+    if end_load is not None:
+        print(f"\nload average (1 min) at end, this run included: {end_load:.2f}")
+    if args.json:
+        write_json(args.json, records, env)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
