@@ -7,6 +7,7 @@ import torch
 
 import vflow
 from tests import models
+from tests.conftest import requires_cuda
 from tests.models import max_relative_error
 from vflow import rng
 
@@ -259,3 +260,18 @@ def test_user_backward_outside_vflow_is_untouched_and_close_removes_hooks():
     with pytest.raises(RuntimeError, match="closed"):
         ex.step(batch)
     vflow.Executor(model, opt, models.mean_ce, virtual_nodes=2).close()
+
+
+@requires_cuda
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_step_matches_float64_big_batch(param_dtype):
+    model = models.mlp(dtype=param_dtype)
+    x, y = models.classification_data(37)
+    want = models.float64_grads(model, models.mean_ce, (x.to(param_dtype), y))
+    m = copy.deepcopy(model).cuda()
+    models.mean_ce(m, (x.to(param_dtype).cuda(), y.cuda())).backward()
+    torch_error = max_relative_error([p.grad.cpu() for p in m.parameters()], want)
+    model = model.cuda()
+    _, grads = _run_step(model, models.mean_ce, (x.to(param_dtype).cuda(), y.cuda()), 4)
+    error = max_relative_error([g.cpu() for g in grads], want)
+    assert error <= max(1e-5, 2 * torch_error)

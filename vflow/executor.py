@@ -9,12 +9,13 @@ steps the optimizer once. See docs/design.md for the semantics this guarantees.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,6 +35,12 @@ _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _OWNERS: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[Executor]] = (
     weakref.WeakKeyDictionary()
 )
+
+
+class VNSlice(NamedTuple):
+    vn: int
+    start: int
+    size: int
 
 
 @dataclass(frozen=True)
@@ -247,6 +254,16 @@ class Executor:
             raise ValueError("model has no trainable parameters (requires_grad=True)")
         return params
 
+    def _vn_slices(self, total: int) -> list[VNSlice]:
+        """The VNs this worker runs, as (VN index, first sample, size) in run order.
+
+        The global VN split depends on (B, V) only; which of those VNs a worker runs is
+        the one place that knows about workers (all of them, in this release).
+        """
+        sizes = split_sizes(total, self.virtual_nodes)
+        starts = itertools.accumulate(sizes[:-1], initial=0)
+        return [VNSlice(i, start, size) for i, (start, size) in enumerate(zip(starts, sizes))]
+
     # ---- training -------------------------------------------------------------
 
     def step(self, batch: Batch) -> StepResult:
@@ -258,14 +275,14 @@ class Executor:
         """
         self._check_open()
         total = batch_size(batch)
-        sizes = split_sizes(total, self.virtual_nodes)
+        slices = self._vn_slices(total)
         clock = _Clock(self._device)
         clock.mark()
         self._buffers.begin_step()
         try:
             with rng.preserved_rng(self._devices):
                 loss, num_items, found, grad_norm = self._forward_backward_reduce(
-                    batch, sizes, total, clock
+                    batch, slices, total, clock
                 )
         except BaseException:
             self._buffers.abort()
@@ -297,17 +314,15 @@ class Executor:
         return result
 
     def _forward_backward_reduce(
-        self, batch: Batch, sizes: list[int], total: int, clock: _Clock
+        self, batch: Batch, slices: list[VNSlice], total: int, clock: _Clock
     ) -> tuple[float, float, torch.Tensor | None, float | None]:
         self._grads.begin_step()
         scale = 1.0 if self.scaler is None else self.scaler.scale
         kind: str | None = None
         loss_parts: list[torch.Tensor] = []
         item_parts: list[torch.Tensor | float] = []
-        start = 0
-        for vn, size in enumerate(sizes):
+        for vn, start, size in slices:
             vn_batch = slice_batch(batch, start, start + size)
-            start += size
             rng.seed_all(rng.vn_seed(self.seed, self.step_count, vn), self._devices)
             with self._autocast():
                 out = self.loss_fn(self.model, vn_batch)
@@ -434,18 +449,15 @@ class Executor:
         """
         self._check_open()
         total = batch_size(batch)
-        sizes = split_sizes(total, self.virtual_nodes)
         forward = _default_forward if forward_fn is None else forward_fn
         outputs = []
-        start = 0
         with rng.preserved_rng(self._devices):
-            for vn, size in enumerate(sizes):
+            for vn, start, size in self._vn_slices(total):
                 rng.seed_all(
                     rng.vn_seed(self.seed, self.step_count, vn, rng.INFER_STREAM), self._devices
                 )
                 with self._autocast():
                     outputs.append(forward(self.model, slice_batch(batch, start, start + size)))
-                start += size
         return concat_outputs(outputs)
 
     # ---- lifecycle ----------------------------------------------------------------
