@@ -67,6 +67,7 @@ def _extension():
         "csrc/bindings.cpp",
         "csrc/ops.cpp",
         "csrc/grad_buffer.cpp",
+        "csrc/torch_ops.cpp",
         "csrc/cpu/accumulate_cpu.cpp",
     ]
     cxx = ["-O3", f'-DVFLOW_TORCH_VERSION="{torch.__version__}"']

@@ -173,3 +173,17 @@ def test_scale_rejects_bad_buffers():
 def test_vector_path_selection_is_validated():
     with pytest.raises(RuntimeError, match="name must be 'avx2' or 'portable'"):
         _C.set_cpu_vector_path("sse9")
+
+
+def test_kernels_are_registered_as_torch_operators(device):
+    accs = [torch.zeros(97, device=device), torch.zeros(5, 5, device=device)]
+    grads = [torch.randn(97, device=device).half(), torch.randn(5, 5, device=device)]
+    torch.ops.vflow.multi_accumulate_(accs, grads, 0.25)
+    for a, g in zip(accs, grads):
+        torch.testing.assert_close(a, 0.25 * g.float())
+    flag = torch.zeros((), device=device)
+    accs[0][3] = float("nan")
+    torch.ops.vflow.scale_check_(accs[0], 2.0, flag)
+    assert flag.item() == 1.0
+    torch.ops.vflow.scale_(accs[1], 4.0)
+    torch.testing.assert_close(accs[1], g.float())

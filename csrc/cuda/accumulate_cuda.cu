@@ -188,6 +188,16 @@ __device__ __forceinline__ T scale_one(T v, T factor, bool& bad) {
   return v;
 }
 
+// Scalar head/tail element in memory. The store is compiled in only when
+// scaling: a check-only pass (factor == 1) must never write the buffer.
+template <typename T, bool kScale, bool kCheck>
+__device__ __forceinline__ void scale_element(T* p, T factor, bool& bad) {
+  const T v = scale_one<T, kScale, kCheck>(*p, factor, bad);
+  if constexpr (kScale) {
+    *p = v;
+  }
+}
+
 // buf[0:n] *= factor (if kScale) and, in the same pass, flag non-finite
 // results (if kCheck). Grid-stride, so any grid size covers any n.
 // Layout of the work: a scalar head up to the first 16-byte boundary (fewer
@@ -210,7 +220,7 @@ __global__ void __launch_bounds__(kScaleThreads)
       ((kVectorBytes - misalign) % kVectorBytes) / static_cast<int64_t>(sizeof(T));
   const int64_t head = to_boundary < n ? to_boundary : n;
   if (tid < head) {
-    buf[tid] = scale_one<T, kScale, kCheck>(buf[tid], factor, bad);
+    scale_element<T, kScale, kCheck>(buf + tid, factor, bad);
   }
 
   VecPack* __restrict__ packs = reinterpret_cast<VecPack*>(buf + head);
@@ -241,8 +251,7 @@ __global__ void __launch_bounds__(kScaleThreads)
 
   const int64_t tail_start = head + n_packs * kVec;
   if (tid < n - tail_start) {
-    T& v = buf[tail_start + tid];
-    v = scale_one<T, kScale, kCheck>(v, factor, bad);
+    scale_element<T, kScale, kCheck>(buf + tail_start + tid, factor, bad);
   }
 
   if constexpr (kCheck) {
