@@ -72,11 +72,12 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# Build artefacts that would indicate the build wrote into the source tree.
+# Build artefacts in the source tree. Only new paths count here: an existing
+# in-tree .so (the CPU build) may legitimately be rebuilt by someone else
+# meanwhile; whether *this* build overwrote it is checked by content below.
 tree_artefacts() {
   (cd "$REPO_ROOT" && find . -path ./.venv -prune -o -path ./.git -prune -o \
-    \( -name '*.so' -o -name '*.egg-info' -o -path ./build \) -print0 |
-    xargs -0 -r stat -c '%n %Y %s' | sort)
+    \( -name '*.so' -o -name '*.egg-info' -o -path ./build \) -print | sort)
 }
 BEFORE="$(tree_artefacts)"
 
@@ -99,7 +100,7 @@ grep -E '^vflow: ' "$BUILD_LOG" || true
 AFTER="$(tree_artefacts)"
 if [[ "$BEFORE" != "$AFTER" ]]; then
   diff <(echo "$BEFORE") <(echo "$AFTER") >&2 || true
-  die "the build changed build artefacts in the source tree"
+  die "the build created artefacts in the source tree"
 fi
 
 # ---- 3. Register / spill report of vflow's kernels ----------------------------
@@ -126,6 +127,11 @@ fi
 SO_PATH="$(find "$BUILD_DIR/lib/vflow" -maxdepth 1 -name '_C*.so' -print -quit)"
 [[ -n "$SO_PATH" ]] || die "no vflow/_C*.so under $BUILD_DIR/lib"
 log "built $SO_PATH ($(du -h "$SO_PATH" | cut -f1))"
+while IFS= read -r -d '' tree_so; do
+  if cmp -s "$tree_so" "$SO_PATH"; then
+    die "the build overwrote $tree_so in the source tree"
+  fi
+done < <(find "$REPO_ROOT/vflow" -name '_C*.so' -print0)
 # Run from the build folder so the source tree's `vflow` (and its CPU .so) is
 # not on sys.path; PYTHONPATH points only at the fresh build.
 (

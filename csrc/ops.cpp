@@ -2,6 +2,10 @@
 
 #include <c10/util/irange.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+
 namespace vflow {
 namespace {
 
@@ -28,6 +32,23 @@ void check_buffer(const at::Tensor& buf, const char* name) {
               "build of torch and nvcc available (see README, 'CUDA build')");
 }
 #endif
+
+// Two accumulators sharing memory would be updated by different threads (CPU) or
+// blocks (CUDA) without ordering: a silent race. Rejecting overlap costs a sort of
+// the list, nothing next to the pass over the data.
+void check_no_overlap(const std::vector<at::Tensor>& accs) {
+  std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+  ranges.reserve(accs.size());
+  for (const at::Tensor& acc : accs) {
+    const auto begin = reinterpret_cast<uintptr_t>(acc.data_ptr());
+    ranges.emplace_back(begin, begin + acc.numel() * acc.element_size());
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    TORCH_CHECK(ranges[i].first >= ranges[i - 1].second,
+                "accs must not overlap: two accumulators share memory");
+  }
+}
 
 } // namespace
 
@@ -80,6 +101,7 @@ void multi_accumulate_(
   if (fused_accs.empty()) {
     return;
   }
+  check_no_overlap(fused_accs);
   if (device->is_cuda()) {
 #ifdef VFLOW_WITH_CUDA
     multi_accumulate_cuda(fused_accs, fused_grads, weight);

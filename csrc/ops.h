@@ -9,7 +9,8 @@
 //     dtype allowed for that accumulator (float32/bfloat16/float16 into float32;
 //     float64 into float64),
 //   * all tensors of one call live on one device, none has zero elements,
-//   * accumulators never alias gradients.
+//   * accumulators never alias gradients, and never overlap each other (checked:
+//     overlapping accumulators would race between threads or blocks).
 // Backends never allocate temporaries proportional to the data: the point of the
 // fused kernels is one read of each gradient and one read-modify-write of each
 // accumulator, in as few launches (CUDA) or parallel regions (CPU) as possible.

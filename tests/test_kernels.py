@@ -145,6 +145,9 @@ def test_scale_check_never_clears_a_set_flag(device):
     assert flag.item() == 1.0
 
 
+_shared = torch.zeros(8)
+
+
 @pytest.mark.parametrize(
     ("accs", "grads", "message"),
     [
@@ -154,6 +157,7 @@ def test_scale_check_never_clears_a_set_flag(device):
         ([torch.zeros(3, dtype=torch.float16)], [torch.zeros(3)], "accs\\[0\\] must be float32"),
         ([torch.zeros(6)[::2]], [torch.zeros(3)], "accs\\[0\\] must be contiguous"),
         ([torch.zeros(3, dtype=torch.int32)], [torch.zeros(3)], "accs\\[0\\] must be float32"),
+        ([_shared[:4], _shared[2:6]], [torch.ones(4), torch.ones(4)], "accs must not overlap"),
     ],
 )
 def test_accumulate_rejects_bad_arguments(accs, grads, message):
