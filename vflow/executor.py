@@ -269,9 +269,10 @@ class Executor:
     def step(self, batch: Batch) -> StepResult:
         """Runs one global step over ``batch`` (the whole global batch, B samples).
 
-        On any error (bad input, an exception in loss_fn or backward) the model's
-        parameters and buffers, the optimizer, the loss scaler and the step count are
-        left as they were, and ``param.grad`` is None.
+        On any error before the optimizer step (bad input, an exception in loss_fn or
+        backward) the model's parameters and buffers, the optimizer, the loss scaler and
+        the step count are left as they were, and ``param.grad`` is None. An exception
+        raised by ``optimizer.step()`` itself propagates with the module buffers restored.
         """
         self._check_open()
         total = batch_size(batch)
@@ -284,17 +285,17 @@ class Executor:
                 loss, num_items, found, grad_norm = self._forward_backward_reduce(
                     batch, slices, total, clock
                 )
+            skipped = bool(found) if found is not None else False
+            if skipped:
+                self._grads.clear()
+                self.skipped_steps += 1
+            else:
+                self._grads.publish()
+                self.optimizer.step()
         except BaseException:
             self._buffers.abort()
             self._grads.clear()
             raise
-        skipped = bool(found) if found is not None else False
-        if skipped:
-            self._grads.clear()
-            self.skipped_steps += 1
-        else:
-            self._grads.publish()
-            self.optimizer.step()
         self._buffers.commit()
         scale = None if self.scaler is None else self.scaler.scale
         if self.scaler is not None:
