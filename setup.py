@@ -71,8 +71,18 @@ def _extension():
         "csrc/cpu/accumulate_cpu.cpp",
     ]
     cxx = ["-O3", f'-DVFLOW_TORCH_VERSION="{torch.__version__}"']
+    link: list[str] = []
+    if torch._C.has_openmp and sys.platform.startswith("linux"):
+        # at::parallel_for is inline: without -fopenmp it silently runs on one thread.
+        # The libgomp.so.1 this links to is the one torch already loaded (same soname),
+        # so the extension shares torch's OpenMP thread pool and thread count.
+        cxx.append("-fopenmp")
+        link.append("-fopenmp")
+    print(f"vflow: CPU kernels {'with' if link else 'without'} OpenMP threads", flush=True)
     if not use_cuda:
-        return CppExtension("vflow._C", sources, extra_compile_args={"cxx": cxx})
+        return CppExtension(
+            "vflow._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link
+        )
     if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
         os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
     print(f"vflow: TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '(visible GPUs)')}")

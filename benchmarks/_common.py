@@ -13,6 +13,7 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 import timeit
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -124,11 +125,43 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def load_average() -> float | None:
+def other_cpu_use(sample_s: float = 0.5) -> float | None:
+    """CPUs' worth of time the rest of the machine used over a short sample, during which
+    this process sleeps (Linux /proc/stat; None elsewhere).
+
+    Unlike the load average, this is not inflated by the run that just finished.
+    """
+
+    def read() -> tuple[int, int]:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+        return sum(fields), fields[3] + fields[4]  # idle + iowait
+
     try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
+        total0, idle0 = read()
+        time.sleep(sample_s)
+        total1, idle1 = read()
+    except (OSError, ValueError, IndexError):
         return None
+    if total1 <= total0:
+        return None
+    return (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
+
+
+def report_machine_use(when: str, busy: float | None, threads: int) -> None:
+    if busy is None:
+        return
+    cpus = usable_cpus()
+    print(f"other processes' CPU use {when}: {busy:.2f} of {cpus} CPUs")
+    # With another process runnable, an OpenMP parallel region waits for its descheduled
+    # workers; every multi-threaded torch op then costs time slices, and code that opens
+    # many regions (a per-tensor loop) can look tens of times slower.
+    if busy + threads > cpus + 0.25:
+        print(
+            f"WARNING: busy machine ({busy:.2f} CPUs in use by others, {threads} torch "
+            f"threads on {cpus} CPUs): results may be dominated by descheduled threads; "
+            "rerun on a quiet machine or compare with --threads 1"
+        )
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -148,7 +181,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "vflow_cpu_vector_path": _C.cpu_vector_path(),
         "vflow_built_with_cuda": _C.built_with_cuda(),
-        "loadavg_1min_at_start": load_average(),
+        "busy_cpus_at_start": other_cpu_use(),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -178,23 +211,8 @@ def print_header(title: str, env: dict[str, Any]) -> None:
         f"vflow CPU vector path: {env['vflow_cpu_vector_path']}, "
         f"CUDA kernels: {'yes' if env['vflow_built_with_cuda'] else 'no'}"
     )
-    load = env["loadavg_1min_at_start"]
-    if load is not None:
-        print(f"load average (1 min): {load:.2f}")
-        warn_if_busy(load, env["cpu_affinity"], env["torch_threads"])
+    report_machine_use("at start", env["busy_cpus_at_start"], env["torch_threads"])
     print(flush=True)
-
-
-def warn_if_busy(load: float | None, cpus: int, threads: int) -> None:
-    # With other processes runnable, an OpenMP parallel region waits for its slowest
-    # worker to be scheduled again; every multi-threaded torch op then costs time slices,
-    # and ops that open many regions (a per-tensor loop) look tens of times slower.
-    if load is not None and threads > 1 and load + threads > cpus + 0.5:
-        print(
-            f"WARNING: busy machine (load {load:.2f} on {cpus} CPUs, {threads} torch threads):"
-            " multi-threaded results may be dominated by descheduled workers; compare with"
-            " --threads 1"
-        )
 
 
 def time_blocks(

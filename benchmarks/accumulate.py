@@ -36,10 +36,11 @@ from _common import (
     fmt_ms,
     format_table,
     iqr,
-    load_average,
     median,
+    other_cpu_use,
     pick_device,
     print_header,
+    report_machine_use,
     synchronize,
     time_blocks,
     write_json,
@@ -175,7 +176,8 @@ def build_case(
             fn()
             synchronize(device)
         except (RuntimeError, TypeError, NotImplementedError) as e:
-            unsupported[method] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+            first_line = (str(e).splitlines() or [""])[0]
+            unsupported[method] = f"{type(e).__name__}: {first_line}"
             del methods[method]
 
     # Guard against benchmarking a wrong computation: one fused call and one loop call
@@ -430,11 +432,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\ntargets:")
     for line in targets:
         print(f"  {line}")
-    end_load = load_average()
-    if end_load is not None:
-        print(f"\nload average (1 min) at end, this run included: {end_load:.2f}")
+    print()
+    busy_end = other_cpu_use()
+    report_machine_use("at end", busy_end, env["torch_threads"])
     if args.json:
-        write_json(args.json, records, env)
+        write_json(args.json, records, env | {"busy_cpus_at_end": busy_end})
     return 0
 
 

@@ -21,7 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Select the CPU kernels' vector path: 'avx2' or 'portable'.");
   m.def("cpu_vector_path", &vflow::cpu_vector_path);
   m.def("multi_accumulate_", &vflow::multi_accumulate_, py::arg("accs"), py::arg("grads"),
-        py::arg("weight"), "accs[i] += weight * grads[i] for every i, in one fused call.");
+        py::arg("weight"), py::arg("overwrite") = false,
+        "accs[i] += weight * grads[i] (= with overwrite) for every i, in one fused call.");
   m.def("scale_", &vflow::scale_, py::arg("buf"), py::arg("factor"),
         "buf *= factor in one pass (float32/float64, contiguous).");
   m.def("scale_check_", &vflow::scale_check_, py::arg("buf"), py::arg("factor"),
@@ -35,7 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("views", &vflow::GradBuffer::views)
       .def("views_of", &vflow::GradBuffer::views_of, py::arg("flat"))
       .def("accumulate_", &vflow::GradBuffer::accumulate_, py::arg("indices"),
-           py::arg("grads"), py::arg("weight"))
+           py::arg("grads"), py::arg("weight"), py::arg("overwrite") = false)
+      .def("zero_slots_", &vflow::GradBuffer::zero_slots_, py::arg("first"), py::arg("last"))
       .def("zero_", &vflow::GradBuffer::zero_)
       .def("scale_", &vflow::GradBuffer::scale_, py::arg("factor"))
       .def("scale_check_", &vflow::GradBuffer::scale_check_, py::arg("factor"),

@@ -48,7 +48,8 @@ std::vector<at::Tensor> GradBuffer::views_of(const at::Tensor& flat) const {
 void GradBuffer::accumulate_(
     const std::vector<int64_t>& indices,
     const std::vector<at::Tensor>& grads,
-    double weight) {
+    double weight,
+    bool overwrite) {
   TORCH_CHECK(indices.size() == grads.size(), "indices and grads must have the same length, got ",
               indices.size(), " and ", grads.size());
   std::vector<at::Tensor> accs;
@@ -63,11 +64,18 @@ void GradBuffer::accumulate_(
     seen[index] = true;
     accs.push_back(views_[index]);
   }
-  multi_accumulate_(accs, grads, weight);
+  multi_accumulate_(accs, grads, weight, overwrite);
 }
 
 void GradBuffer::zero_() {
   data_.zero_();
+}
+
+void GradBuffer::zero_slots_(int64_t first, int64_t last) {
+  TORCH_CHECK(0 <= first && first <= last && last < num_slots(), "slots [", first, ", ", last,
+              "] are not a valid range of a buffer of ", num_slots(), " slots");
+  const int64_t end = offsets_[last] + numels_[last];
+  data_.narrow(0, offsets_[first], end - offsets_[first]).zero_();
 }
 
 void GradBuffer::scale_(double factor) {

@@ -43,13 +43,18 @@ class GradBuffer {
   // (any dtype, any device), e.g. a low-precision copy handed to an optimizer.
   std::vector<at::Tensor> views_of(const at::Tensor& flat) const;
 
-  // slot[indices[k]] += weight * grads[k] for every k in one fused kernel call.
-  // grads[k] must match parameter indices[k]'s shape and the buffer's device; see
-  // multi_accumulate_ for the allowed dtypes. Indices must be distinct.
+  // slot[indices[k]] += weight * grads[k] for every k in one fused kernel call
+  // (= instead of += with `overwrite`). grads[k] must match parameter indices[k]'s
+  // shape and the buffer's device; see multi_accumulate_ for the allowed dtypes.
+  // Indices must be distinct.
   void accumulate_(
       const std::vector<int64_t>& indices,
       const std::vector<at::Tensor>& grads,
-      double weight);
+      double weight,
+      bool overwrite = false);
+
+  // Sets slots [first, last] and the padding between them to zero in one pass.
+  void zero_slots_(int64_t first, int64_t last);
 
   // Sets the whole buffer (padding included) to zero in one pass.
   void zero_();

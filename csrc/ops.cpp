@@ -55,7 +55,8 @@ void check_no_overlap(const std::vector<at::Tensor>& accs) {
 void multi_accumulate_(
     const std::vector<at::Tensor>& accs,
     const std::vector<at::Tensor>& grads,
-    double weight) {
+    double weight,
+    bool overwrite) {
   TORCH_CHECK(accs.size() == grads.size(), "accs and grads must have the same length, got ",
               accs.size(), " and ", grads.size());
   // See Note [Kernel contracts]: only contiguous, non-empty pairs reach a backend.
@@ -92,7 +93,12 @@ void multi_accumulate_(
     if (!grad.is_contiguous()) {
       // Rare (e.g. a channels_last parameter): the strided TensorIterator path is exact
       // and avoids materialising a contiguous copy of the gradient.
-      acc.add_(grad, weight);
+      if (overwrite) {
+        // Widen first so the product is rounded in the accumulator dtype.
+        acc.copy_(grad).mul_(weight);
+      } else {
+        acc.add_(grad, weight);
+      }
       continue;
     }
     fused_accs.push_back(acc);
@@ -104,13 +110,13 @@ void multi_accumulate_(
   check_no_overlap(fused_accs);
   if (device->is_cuda()) {
 #ifdef VFLOW_WITH_CUDA
-    multi_accumulate_cuda(fused_accs, fused_grads, weight);
+    multi_accumulate_cuda(fused_accs, fused_grads, weight, overwrite);
 #else
     no_cuda("multi_accumulate_");
 #endif
   } else {
     TORCH_CHECK(device->is_cpu(), "tensors must be on a CPU or CUDA device, got ", *device);
-    multi_accumulate_cpu(fused_accs, fused_grads, weight);
+    multi_accumulate_cpu(fused_accs, fused_grads, weight, overwrite);
   }
 }
 

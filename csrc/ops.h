@@ -29,13 +29,16 @@
 
 namespace vflow {
 
-// acc[i] += weight * grad[i] for every pair, elementwise, in the accumulator dtype.
+// acc[i] += weight * grad[i] for every pair, elementwise, in the accumulator dtype;
+// with `overwrite`, acc[i] = weight * grad[i] instead (the accumulator is not read,
+// which saves both a zeroing pass and a read stream for the first contribution).
 // Gradients that are not contiguous (e.g. channels_last parameters) are handled
 // with a strided fallback; everything else goes through one fused backend call.
 void multi_accumulate_(
     const std::vector<at::Tensor>& accs,
     const std::vector<at::Tensor>& grads,
-    double weight);
+    double weight,
+    bool overwrite = false);
 
 // buf *= factor, in place, for a contiguous float32/float64 tensor.
 void scale_(const at::Tensor& buf, double factor);
@@ -50,7 +53,8 @@ void scale_check_(const at::Tensor& buf, double factor, const at::Tensor& found_
 void multi_accumulate_cpu(
     const std::vector<at::Tensor>& accs,
     const std::vector<at::Tensor>& grads,
-    double weight);
+    double weight,
+    bool overwrite);
 void scale_cpu(const at::Tensor& buf, double factor);
 void scale_check_cpu(const at::Tensor& buf, double factor, const at::Tensor& found_nonfinite);
 
@@ -58,7 +62,8 @@ void scale_check_cpu(const at::Tensor& buf, double factor, const at::Tensor& fou
 void multi_accumulate_cuda(
     const std::vector<at::Tensor>& accs,
     const std::vector<at::Tensor>& grads,
-    double weight);
+    double weight,
+    bool overwrite);
 void scale_cuda(const at::Tensor& buf, double factor);
 void scale_check_cuda(const at::Tensor& buf, double factor, const at::Tensor& found_nonfinite);
 #endif

@@ -9,14 +9,20 @@
 namespace vflow {
 namespace {
 
-void multi_accumulate_op(at::TensorList accs, at::TensorList grads, double weight) {
-  multi_accumulate_(accs.vec(), grads.vec(), weight);
+void multi_accumulate_op(
+    at::TensorList accs,
+    at::TensorList grads,
+    double weight,
+    bool overwrite) {
+  multi_accumulate_(accs.vec(), grads.vec(), weight, overwrite);
 }
 
 } // namespace
 
 TORCH_LIBRARY(vflow, m) {
-  m.def("multi_accumulate_(Tensor(a!)[] accs, Tensor[] grads, float weight) -> ()");
+  m.def(
+      "multi_accumulate_(Tensor(a!)[] accs, Tensor[] grads, float weight, "
+      "bool overwrite=False) -> ()");
   m.def("scale_(Tensor(a!) buf, float factor) -> ()");
   m.def("scale_check_(Tensor(a!) buf, float factor, Tensor(b!) found_nonfinite) -> ()");
 }

@@ -93,7 +93,8 @@ def per_vn_reference(model: nn.Module, loss_fn, batch, v: int, seeds: list[int])
         loss = loss_fn(dev, tuple(t[start : start + n] for t in batch))
         (loss * n / b).backward()
         for acc, p in zip(grads, dev.parameters()):
-            acc += p.grad.double()
+            if p.grad is not None:  # a parameter this VN did not use contributes zero
+                acc += p.grad.double()
         states.append({k: v.clone() for k, v in dev.state_dict().items()})
         start += n
     return grads, states

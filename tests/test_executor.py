@@ -275,3 +275,36 @@ def test_cuda_step_matches_float64_big_batch(param_dtype):
     _, grads = _run_step(model, models.mean_ce, (x.to(param_dtype).cuda(), y.cuda()), 4)
     error = max_relative_error([g.cpu() for g in grads], want)
     assert error <= max(1e-5, 2 * torch_error)
+
+
+class _Branchy(torch.nn.Module):
+    """A head used only by VNs whose first sample is positive: data-dependent unused params."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(6, 4)
+        self.extra = torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        out = self.body(x)
+        return out + self.extra(x) if x[0, 0] > 0 else out
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [1e-9, 25.0])
+def test_parameters_unused_in_some_vns_and_steps(bucket_cap_mb):
+    model = _Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = models.classification_data(16)
+    x[:, 0] = -1.0
+    x[8, 0] = 1.0  # only VN 2 of 4 uses `extra` in step 0
+    with vflow.Executor(model, opt, models.mean_ce, 4, bucket_cap_mb=bucket_cap_mb) as ex:
+        reference = copy.deepcopy(model)
+        ex.step((x, y))
+        want, _ = models.per_vn_reference(reference, models.mean_ce, (x, y), 4, [0] * 4)
+        got = [p.grad for p in model.parameters()]
+        assert max_relative_error(got, want) <= 1e-5
+        assert got[2].abs().sum() > 0
+        x[8, 0] = -1.0  # step 1: nobody uses `extra`; last step's gradient must not leak
+        ex.step((x, y))
+        assert model.extra.weight.grad.eq(0).all() and model.extra.bias.grad.eq(0).all()

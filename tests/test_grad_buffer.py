@@ -101,3 +101,17 @@ def test_rejects_bad_construction_and_indices():
     with pytest.raises(RuntimeError, match=r"grads\[0\] has shape"):
         buf.accumulate_([1], [torch.zeros(3)], 1.0)
     assert buf.data.eq(0).all()
+
+
+def test_zero_slots_clears_exactly_a_range(device):
+    params = _params(device)
+    buf = _C.GradBuffer(params, torch.float32)
+    buf.data.fill_(1.0)
+    buf.zero_slots_(1, 3)
+    views = buf.views()
+    assert views[0].eq(1).all() and views[4].eq(1).all()
+    assert all(views[k].eq(0).all() for k in (1, 2, 3))
+    with pytest.raises(RuntimeError, match=r"slots \[3, 1\] are not a valid range"):
+        buf.zero_slots_(3, 1)
+    with pytest.raises(RuntimeError, match=r"slots \[0, 5\] are not a valid range"):
+        buf.zero_slots_(0, 5)

@@ -191,3 +191,23 @@ def test_kernels_are_registered_as_torch_operators(device):
     assert flag.item() == 1.0
     torch.ops.vflow.scale_(accs[1], 4.0)
     torch.testing.assert_close(accs[1], grads[1].float())
+
+
+@pytest.mark.parametrize("grad_dtype", [*GRAD_DTYPES, torch.float64])
+@pytest.mark.parametrize("size", SIZES)
+def test_overwrite_equals_accumulating_into_zero(device, grad_dtype, size):
+    acc_dtype = torch.float64 if grad_dtype == torch.float64 else torch.float32
+    grad = torch.randn(size, device=device).to(grad_dtype)
+    stale = torch.randn(size, device=device, dtype=acc_dtype)  # must not leak through
+    zeroed = torch.zeros(size, device=device, dtype=acc_dtype)
+    _C.multi_accumulate_([stale], [grad], -0.3, overwrite=True)
+    _C.multi_accumulate_([zeroed], [grad], -0.3)
+    assert torch.equal(stale, zeroed)
+    torch.testing.assert_close(stale, (-0.3 * grad.double()).to(acc_dtype))
+
+
+def test_overwrite_noncontiguous_grad(device):
+    acc = torch.randn(4, 3, 5, 5, device=device)
+    grad = torch.randn(4, 3, 5, 5, device=device).bfloat16().to(memory_format=torch.channels_last)
+    _C.multi_accumulate_([acc], [grad], 0.1, overwrite=True)
+    torch.testing.assert_close(acc, 0.1 * grad.float(), rtol=1e-6, atol=0)

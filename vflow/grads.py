@@ -13,6 +13,14 @@ buffer (see Note [Flat buffer layout] in csrc/grad_buffer.h).
 Buckets are contiguous slot ranges of one buffer, laid out in reverse registration
 order (the order backward usually produces gradients), so a bucket is also a
 contiguous slice of the flat tensor — the unit a collective can reduce later.
+
+Note [First fold overwrites]
+Buffers are not zeroed at the start of a step. A bucket's first fold of the step,
+when every one of its gradients arrived, writes ``acc = w * g`` instead of adding
+(the kernel does not read the accumulator), which saves a zeroing pass and a read
+stream. A first fold with some gradients missing zeroes the bucket's range first,
+and a bucket that received nothing during the whole step is zeroed in ``finish``.
+Overwriting gives the same bits as adding to zero, so results do not depend on it.
 """
 
 from __future__ import annotations
@@ -28,9 +36,11 @@ from vflow._extension import _C
 @dataclass
 class _Bucket:
     group: _Group
-    slots: list[int]
+    slots: list[int]  # consecutive slot indices, i.e. one contiguous range of the buffer
     pending_slots: list[int] = field(default_factory=list)
     pending_grads: list[torch.Tensor] = field(default_factory=list)
+    # True until the bucket's first fold of the step. See Note [First fold overwrites].
+    fresh: bool = True
 
 
 @dataclass
@@ -111,9 +121,14 @@ class GradAccumulator:
 
     def _flush(self, bucket: _Bucket) -> None:
         if bucket.pending_slots:
-            bucket.group.buffer.accumulate_(
-                bucket.pending_slots, bucket.pending_grads, self._weight
+            buffer = bucket.group.buffer
+            complete = len(bucket.pending_slots) == len(bucket.slots)
+            if bucket.fresh and not complete:
+                buffer.zero_slots_(bucket.slots[0], bucket.slots[-1])
+            buffer.accumulate_(
+                bucket.pending_slots, bucket.pending_grads, self._weight, bucket.fresh and complete
             )
+            bucket.fresh = False
         self._drop_pending(bucket)
 
     @staticmethod
@@ -130,9 +145,11 @@ class GradAccumulator:
         return [p for group in self.groups for p in group.params]
 
     def begin_step(self) -> None:
-        """Zeroes the buffers and detaches ``param.grad`` so backward writes fresh grads."""
+        """Detaches ``param.grad`` so backward writes fresh gradients; see
+        Note [First fold overwrites] for why the buffers need no zeroing here."""
         for group in self.groups:
-            group.buffer.zero_()
+            for bucket in group.buckets:
+                bucket.fresh = True
             for p in group.params:
                 p.grad = None
 
@@ -155,6 +172,10 @@ class GradAccumulator:
         With ``check_nonfinite`` returns a 0-dim float32 flag per device, set to 1 if any
         scaled gradient is inf/NaN (reading it is the caller's only synchronisation).
         """
+        for bucket in self._buckets():
+            if bucket.fresh:  # no gradient reached it in any VN: all zero
+                bucket.group.buffer.zero_slots_(bucket.slots[0], bucket.slots[-1])
+                bucket.fresh = False
         if not check_nonfinite:
             for group in self.groups:
                 group.buffer.scale_(factor)

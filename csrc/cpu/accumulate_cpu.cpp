@@ -60,24 +60,32 @@ inline float bf16_bits_to_float(uint16_t bits) {
 
 // ---- Portable path ----
 
-template <typename T>
+// kOverwrite selects acc = w * g instead of acc += w * g (see multi_accumulate_).
+template <bool kOverwrite, typename T>
+inline T combine(T acc, T scaled) {
+  return kOverwrite ? scaled : acc + scaled;
+}
+
+template <bool kOverwrite, typename T>
 void axpy_portable(T* __restrict__ acc, const T* __restrict__ g, T w, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    acc[i] += w * g[i];
+    acc[i] = combine<kOverwrite>(acc[i], w * g[i]);
   }
 }
 
+template <bool kOverwrite>
 void axpy_bf16_portable(float* __restrict__ acc, const uint16_t* __restrict__ g, float w,
                         int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    acc[i] += w * bf16_bits_to_float(g[i]);
+    acc[i] = combine<kOverwrite>(acc[i], w * bf16_bits_to_float(g[i]));
   }
 }
 
+template <bool kOverwrite>
 void axpy_f16_portable(float* __restrict__ acc, const c10::Half* __restrict__ g, float w,
                        int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    acc[i] += w * static_cast<float>(g[i]);
+    acc[i] = combine<kOverwrite>(acc[i], w * static_cast<float>(g[i]));
   }
 }
 
@@ -105,70 +113,83 @@ bool scale_check_portable(T* __restrict__ x, T f, bool write, int64_t n) {
 #ifdef VFLOW_CPU_AVX2
 #define VFLOW_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-VFLOW_AVX2 void axpy_f32_avx2(float* acc, const float* g, float w, int64_t n) {
+// Gradient loaders: 8 values widened to float (vec) or one value (one).
+struct LoadF32 {
+  using T = float;
+  VFLOW_AVX2 static inline __m256 vec(const float* p) {
+    return _mm256_loadu_ps(p);
+  }
+  VFLOW_AVX2 static inline float one(const float* p) {
+    return *p;
+  }
+};
+
+struct LoadBF16 {
+  using T = uint16_t;
+  VFLOW_AVX2 static inline __m256 vec(const uint16_t* p) {
+    const __m256i wide =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  VFLOW_AVX2 static inline float one(const uint16_t* p) {
+    return bf16_bits_to_float(*p);
+  }
+};
+
+struct LoadF16 {
+  using T = uint16_t;
+  VFLOW_AVX2 static inline __m256 vec(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  VFLOW_AVX2 static inline float one(const uint16_t* p) {
+    return _cvtsh_ss(*p);
+  }
+};
+
+// acc (+)= w * g into float32: two 8-lane FMAs per iteration keep both load ports busy.
+// With kOverwrite the product is rounded once, exactly as fma(w, g, 0) would be, so
+// overwriting a zeroed slot and accumulating into it give the same bits.
+template <bool kOverwrite, typename Load>
+VFLOW_AVX2 void axpy_f32_avx2(float* acc, const typename Load::T* g, float w, int64_t n) {
   const __m256 wv = _mm256_set1_ps(w);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m256 a0 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(g + i), _mm256_loadu_ps(acc + i));
-    const __m256 a1 =
-        _mm256_fmadd_ps(wv, _mm256_loadu_ps(g + i + 8), _mm256_loadu_ps(acc + i + 8));
+    __m256 a0;
+    __m256 a1;
+    if constexpr (kOverwrite) {
+      a0 = _mm256_mul_ps(wv, Load::vec(g + i));
+      a1 = _mm256_mul_ps(wv, Load::vec(g + i + 8));
+    } else {
+      a0 = _mm256_fmadd_ps(wv, Load::vec(g + i), _mm256_loadu_ps(acc + i));
+      a1 = _mm256_fmadd_ps(wv, Load::vec(g + i + 8), _mm256_loadu_ps(acc + i + 8));
+    }
     _mm256_storeu_ps(acc + i, a0);
     _mm256_storeu_ps(acc + i + 8, a1);
   }
   for (; i < n; ++i) {
-    acc[i] = __builtin_fmaf(w, g[i], acc[i]);
+    acc[i] = kOverwrite ? w * Load::one(g + i) : __builtin_fmaf(w, Load::one(g + i), acc[i]);
   }
 }
 
-VFLOW_AVX2 inline __m256 load_bf16x8(const uint16_t* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-VFLOW_AVX2 void axpy_bf16_avx2(float* acc, const uint16_t* g, float w, int64_t n) {
-  const __m256 wv = _mm256_set1_ps(w);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256 a0 = _mm256_fmadd_ps(wv, load_bf16x8(g + i), _mm256_loadu_ps(acc + i));
-    const __m256 a1 = _mm256_fmadd_ps(wv, load_bf16x8(g + i + 8), _mm256_loadu_ps(acc + i + 8));
-    _mm256_storeu_ps(acc + i, a0);
-    _mm256_storeu_ps(acc + i + 8, a1);
-  }
-  for (; i < n; ++i) {
-    acc[i] = __builtin_fmaf(w, bf16_bits_to_float(g[i]), acc[i]);
-  }
-}
-
-VFLOW_AVX2 inline __m256 load_f16x8(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-VFLOW_AVX2 void axpy_f16_avx2(float* acc, const uint16_t* g, float w, int64_t n) {
-  const __m256 wv = _mm256_set1_ps(w);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256 a0 = _mm256_fmadd_ps(wv, load_f16x8(g + i), _mm256_loadu_ps(acc + i));
-    const __m256 a1 = _mm256_fmadd_ps(wv, load_f16x8(g + i + 8), _mm256_loadu_ps(acc + i + 8));
-    _mm256_storeu_ps(acc + i, a0);
-    _mm256_storeu_ps(acc + i + 8, a1);
-  }
-  for (; i < n; ++i) {
-    acc[i] = __builtin_fmaf(w, _cvtsh_ss(g[i]), acc[i]);
-  }
-}
-
+template <bool kOverwrite>
 VFLOW_AVX2 void axpy_f64_avx2(double* acc, const double* g, double w, int64_t n) {
   const __m256d wv = _mm256_set1_pd(w);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256d a0 = _mm256_fmadd_pd(wv, _mm256_loadu_pd(g + i), _mm256_loadu_pd(acc + i));
-    const __m256d a1 =
-        _mm256_fmadd_pd(wv, _mm256_loadu_pd(g + i + 4), _mm256_loadu_pd(acc + i + 4));
+    __m256d a0;
+    __m256d a1;
+    if constexpr (kOverwrite) {
+      a0 = _mm256_mul_pd(wv, _mm256_loadu_pd(g + i));
+      a1 = _mm256_mul_pd(wv, _mm256_loadu_pd(g + i + 4));
+    } else {
+      a0 = _mm256_fmadd_pd(wv, _mm256_loadu_pd(g + i), _mm256_loadu_pd(acc + i));
+      a1 = _mm256_fmadd_pd(wv, _mm256_loadu_pd(g + i + 4), _mm256_loadu_pd(acc + i + 4));
+    }
     _mm256_storeu_pd(acc + i, a0);
     _mm256_storeu_pd(acc + i + 4, a1);
   }
   for (; i < n; ++i) {
-    acc[i] = __builtin_fma(w, g[i], acc[i]);
+    acc[i] = kOverwrite ? w * g[i] : __builtin_fma(w, g[i], acc[i]);
   }
 }
 
@@ -225,6 +246,7 @@ bool cpu_has_avx2() {
 // User-selectable for tests and benchmarks; defaults to the best path available.
 std::atomic<bool> g_use_avx2{cpu_has_avx2()};
 
+template <bool kOverwrite>
 void axpy_segment(const at::Tensor& acc, const at::Tensor& grad, double weight, int64_t begin,
                   int64_t len) {
   const bool avx2 = g_use_avx2.load(std::memory_order_relaxed);
@@ -234,10 +256,10 @@ void axpy_segment(const at::Tensor& acc, const at::Tensor& grad, double weight, 
     const double* g = grad.const_data_ptr<double>() + begin;
 #ifdef VFLOW_CPU_AVX2
     if (avx2) {
-      return axpy_f64_avx2(a, g, weight, len);
+      return axpy_f64_avx2<kOverwrite>(a, g, weight, len);
     }
 #endif
-    return axpy_portable(a, g, weight, len);
+    return axpy_portable<kOverwrite>(a, g, weight, len);
   }
   float* a = acc.data_ptr<float>() + begin;
   const float w = static_cast<float>(weight);
@@ -246,28 +268,28 @@ void axpy_segment(const at::Tensor& acc, const at::Tensor& grad, double weight, 
       const float* g = grad.const_data_ptr<float>() + begin;
 #ifdef VFLOW_CPU_AVX2
       if (avx2) {
-        return axpy_f32_avx2(a, g, w, len);
+        return axpy_f32_avx2<kOverwrite, LoadF32>(a, g, w, len);
       }
 #endif
-      return axpy_portable(a, g, w, len);
+      return axpy_portable<kOverwrite>(a, g, w, len);
     }
     case GradKind::kBFloat16: {
       const auto* g = reinterpret_cast<const uint16_t*>(grad.const_data_ptr<at::BFloat16>()) + begin;
 #ifdef VFLOW_CPU_AVX2
       if (avx2) {
-        return axpy_bf16_avx2(a, g, w, len);
+        return axpy_f32_avx2<kOverwrite, LoadBF16>(a, g, w, len);
       }
 #endif
-      return axpy_bf16_portable(a, g, w, len);
+      return axpy_bf16_portable<kOverwrite>(a, g, w, len);
     }
     case GradKind::kHalf: {
       const c10::Half* g = grad.const_data_ptr<c10::Half>() + begin;
 #ifdef VFLOW_CPU_AVX2
       if (avx2) {
-        return axpy_f16_avx2(a, reinterpret_cast<const uint16_t*>(g), w, len);
+        return axpy_f32_avx2<kOverwrite, LoadF16>(a, reinterpret_cast<const uint16_t*>(g), w, len);
       }
 #endif
-      return axpy_f16_portable(a, g, w, len);
+      return axpy_f16_portable<kOverwrite>(a, g, w, len);
     }
     case GradKind::kDouble:
       break;
@@ -292,7 +314,8 @@ std::string cpu_vector_path() {
 void multi_accumulate_cpu(
     const std::vector<at::Tensor>& accs,
     const std::vector<at::Tensor>& grads,
-    double weight) {
+    double weight,
+    bool overwrite) {
   // The list is treated as one long virtual array so threads split the total work
   // evenly however the sizes are distributed (one huge tensor or thousands of tiny
   // ones); `ends[i]` is the exclusive end of tensor i in that array.
@@ -308,7 +331,11 @@ void multi_accumulate_cpu(
       const auto i = static_cast<size_t>(it - ends.begin());
       const int64_t start = ends[i] - accs[i].numel();
       const int64_t stop = std::min(end, ends[i]);
-      axpy_segment(accs[i], grads[i], weight, pos - start, stop - pos);
+      if (overwrite) {
+        axpy_segment<true>(accs[i], grads[i], weight, pos - start, stop - pos);
+      } else {
+        axpy_segment<false>(accs[i], grads[i], weight, pos - start, stop - pos);
+      }
       pos = stop;
     }
   });

@@ -112,7 +112,8 @@ __device__ __forceinline__ bool is_aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % kVectorBytes == 0;
 }
 
-// acc[i] += weight * grad[i] over one chunk of one tensor per block.
+// acc[i] += weight * grad[i] (or acc[i] = weight * grad[i] when `overwrite`, a
+// block-uniform flag) over one chunk of one tensor per block.
 // Math is done in acc_t: gradients are widened first, so a bf16 gradient is
 // accumulated with fp32 rounding, never bf16 rounding.
 //
@@ -121,7 +122,7 @@ __device__ __forceinline__ bool is_aligned16(const void* p) {
 // used 90 registers, i.e. a single 512-thread block per SM.
 template <typename acc_t, typename grad_t>
 __global__ void __launch_bounds__(kMultiThreads, 2)
-    multi_accumulate_kernel(MultiTensorMeta meta, acc_t weight) {
+    multi_accumulate_kernel(MultiTensorMeta meta, acc_t weight, bool overwrite) {
   const int slot = meta.block_to_tensor[blockIdx.x];
   const int64_t start = static_cast<int64_t>(meta.block_to_chunk[blockIdx.x]) * kChunkSize;
   // Only the last chunk of a tensor is short; n is in (0, kChunkSize].
@@ -151,7 +152,10 @@ __global__ void __launch_bounds__(kMultiThreads, 2)
       for (int u = 0; u < kPackUnroll; ++u) {
         const int i = base + u * kMultiThreads;
         if (i < n_packs) {
-          a[u] = acc_packs[i];
+          // In overwrite mode the accumulator is write-only: one stream less.
+          if (!overwrite) {
+            a[u] = acc_packs[i];
+          }
           g[u] = grad_packs[i];
         }
       }
@@ -161,7 +165,8 @@ __global__ void __launch_bounds__(kMultiThreads, 2)
         if (i < n_packs) {
 #pragma unroll
           for (int j = 0; j < kVec; ++j) {
-            a[u].val[j] = a[u].val[j] + weight * static_cast<acc_t>(g[u].val[j]);
+            const acc_t scaled = weight * static_cast<acc_t>(g[u].val[j]);
+            a[u].val[j] = overwrite ? scaled : a[u].val[j] + scaled;
           }
           acc_packs[i] = a[u];
         }
@@ -171,7 +176,8 @@ __global__ void __launch_bounds__(kMultiThreads, 2)
   }
   // Tail of fewer than kVec elements, or the whole chunk when misaligned.
   for (int i = done + static_cast<int>(threadIdx.x); i < n; i += kMultiThreads) {
-    acc[i] = acc[i] + weight * static_cast<acc_t>(grad[i]);
+    const acc_t scaled = weight * static_cast<acc_t>(grad[i]);
+    acc[i] = overwrite ? scaled : acc[i] + scaled;
   }
 }
 
@@ -298,7 +304,8 @@ void launch_multi_accumulate(
     const std::vector<at::Tensor>& accs,
     const std::vector<at::Tensor>& grads,
     const std::vector<size_t>& indices,
-    acc_t weight) {
+    acc_t weight,
+    bool overwrite) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   MultiTensorMeta meta{};
   int n_tensors = 0;
@@ -307,7 +314,8 @@ void launch_multi_accumulate(
   const auto flush = [&]() {
     TORCH_INTERNAL_ASSERT(n_blocks > 0 && n_blocks <= kMaxBlocksPerLaunch);
     multi_accumulate_kernel<acc_t, grad_t>
-        <<<static_cast<unsigned int>(n_blocks), kMultiThreads, 0, stream>>>(meta, weight);
+        <<<static_cast<unsigned int>(n_blocks), kMultiThreads, 0, stream>>>(
+            meta, weight, overwrite);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     n_blocks = 0;
   };
@@ -366,7 +374,8 @@ void launch_multi_accumulate(
 void multi_accumulate_cuda(
     const std::vector<at::Tensor>& accs,
     const std::vector<at::Tensor>& grads,
-    double weight) {
+    double weight,
+    bool overwrite) {
   TORCH_INTERNAL_ASSERT(accs.size() == grads.size());
   if (accs.empty()) {
     return;
@@ -407,16 +416,16 @@ void multi_accumulate_cuda(
   // alpha=weight)` does for a float accumulator.
   const float weight_f = static_cast<float>(weight);
   if (!groups[kF32F32].empty()) {
-    launch_multi_accumulate<float, float>(accs, grads, groups[kF32F32], weight_f);
+    launch_multi_accumulate<float, float>(accs, grads, groups[kF32F32], weight_f, overwrite);
   }
   if (!groups[kF32BF16].empty()) {
-    launch_multi_accumulate<float, c10::BFloat16>(accs, grads, groups[kF32BF16], weight_f);
+    launch_multi_accumulate<float, c10::BFloat16>(accs, grads, groups[kF32BF16], weight_f, overwrite);
   }
   if (!groups[kF32F16].empty()) {
-    launch_multi_accumulate<float, c10::Half>(accs, grads, groups[kF32F16], weight_f);
+    launch_multi_accumulate<float, c10::Half>(accs, grads, groups[kF32F16], weight_f, overwrite);
   }
   if (!groups[kF64F64].empty()) {
-    launch_multi_accumulate<double, double>(accs, grads, groups[kF64F64], weight);
+    launch_multi_accumulate<double, double>(accs, grads, groups[kF64F64], weight, overwrite);
   }
 }
 
