@@ -94,25 +94,17 @@ def _cpu_model_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5, check=True
+    ).stdout.strip()
+
+
 def _git_revision() -> str | None:
     # Results are only comparable between runs of known code; a dirty tree is flagged.
     try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        ).stdout.strip()
+        rev = _git("rev-parse", "--short", "HEAD")
+        dirty = _git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return None
     return f"{rev}-dirty" if dirty else rev
@@ -285,6 +277,16 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def _numeric(cell: str) -> bool:
     stripped = cell.strip().rstrip("%x").replace(".", "", 1).replace("-", "", 1)
     return stripped.isdigit()
+
+
+def finish_run(json_path: Path | None, records: list[dict[str, Any]], env: dict[str, Any]) -> int:
+    """Closing lines shared by the scripts: machine use at the end, then the JSON file."""
+    print()
+    busy_end = other_cpu_use()
+    report_machine_use("at end", busy_end, env["torch_threads"])
+    if json_path:
+        write_json(json_path, records, env | {"busy_cpus_at_end": busy_end})
+    return 0
 
 
 def write_json(path: Path, records: list[dict[str, Any]], env: dict[str, Any]) -> None:

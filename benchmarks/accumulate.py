@@ -33,17 +33,15 @@ from _common import (
     add_common_args,
     apply_threads,
     environment,
+    finish_run,
     fmt_ms,
     format_table,
     iqr,
     median,
-    other_cpu_use,
     pick_device,
     print_header,
-    report_machine_use,
     synchronize,
     time_blocks,
-    write_json,
 )
 
 from vflow import _C
@@ -432,12 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\ntargets:")
     for line in targets:
         print(f"  {line}")
-    print()
-    busy_end = other_cpu_use()
-    report_machine_use("at end", busy_end, env["torch_threads"])
-    if args.json:
-        write_json(args.json, records, env | {"busy_cpus_at_end": busy_end})
-    return 0
+    return finish_run(args.json, records, env)
 
 
 if __name__ == "__main__":

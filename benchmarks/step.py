@@ -35,15 +35,13 @@ from _common import (
     add_common_args,
     apply_threads,
     environment,
+    finish_run,
     fmt_ms,
     format_table,
     median,
-    other_cpu_use,
     pick_device,
     print_header,
-    report_machine_use,
     synchronize,
-    write_json,
 )
 from torch import nn
 
@@ -373,12 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             f"  MISSED {r['model']} V={r['virtual_nodes']}: ratio {r['ratio']:.3f} "
             f"(+{fmt_ms(r['extra_s'])} ms per step, median over batches)"
         )
-    print()
-    busy_end = other_cpu_use()
-    report_machine_use("at end", busy_end, env["torch_threads"])
-    if args.json:
-        write_json(args.json, records, env | {"busy_cpus_at_end": busy_end})
-    return 0
+    return finish_run(args.json, records, env)
 
 
 if __name__ == "__main__":
