@@ -203,7 +203,7 @@ def test_unused_parameter_counts_as_zero():
     assert grads[0].abs().sum() > 0
 
 
-def test_fp16_loss_scaling_skips_overflowing_step_and_recovers():
+def test_fp16_loss_scaling_skips_overflowing_step_and_recovers(caplog):
     model = models.mlp()
     batch = models.classification_data(32)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -212,8 +212,10 @@ def test_fp16_loss_scaling_skips_overflowing_step_and_recovers():
     with vflow.Executor(
         model, opt, models.mean_ce, virtual_nodes=4, amp="fp16", loss_scale=scaler
     ) as ex:
-        result = ex.step(batch)
+        with caplog.at_level("WARNING", logger="vflow"):
+            result = ex.step(batch)
         assert result.skipped and result.loss_scale == 2.0**100
+        assert "vflow step 0: inf/NaN in the gradients, optimizer step skipped" in caplog.text
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
         assert scaler.scale == 2.0**99 and ex.skipped_steps == 1
         scaler.scale = 2.0**8

@@ -117,12 +117,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.epochs < 1:
         parser.error(f"--epochs must be >= 1, got {args.epochs}")
+    if args.virtual_nodes < 1:
+        parser.error(f"--virtual-nodes must be >= 1, got {args.virtual_nodes}")
+    if args.batch_size < args.virtual_nodes:
+        parser.error(
+            f"--batch-size ({args.batch_size}) must be >= --virtual-nodes ({args.virtual_nodes})"
+        )
+    if not args.lr > 0:
+        parser.error(f"--lr must be > 0, got {args.lr}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     data = load_digits_split(args.seed)
     print(
         f"vflow {vflow.__version__} demo: digits ({len(data[1])} train / {len(data[3])} test), "
         f"global batch B={args.batch_size}, V={args.virtual_nodes} virtual nodes "
-        f"({args.batch_size / args.virtual_nodes:.1f} samples each), {args.epochs} epochs",
+        f"({args.batch_size / args.virtual_nodes:.1f} samples each), epochs: {args.epochs}",
         flush=True,
     )
     # Dropout draws differ between the runs by design (per-VN streams vs one stream), so

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import time
 import weakref
@@ -29,6 +30,7 @@ LossFn = Callable[[torch.nn.Module, Batch], Any]
 ForwardFn = Callable[[torch.nn.Module, Batch], Any]
 
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_log = logging.getLogger("vflow")
 
 # model -> the live Executor driving it. Two executors on one model would both capture
 # its gradients. Kept outside the model so that the model stays deep-copyable/picklable.
@@ -289,6 +291,11 @@ class Executor:
             if skipped:
                 self._grads.clear()
                 self.skipped_steps += 1
+                _log.warning(
+                    "vflow step %d: inf/NaN in the gradients, optimizer step skipped%s",
+                    self.step_count,
+                    "" if self.scaler is None else f" (loss scale {self.scaler.scale:g})",
+                )
             else:
                 self._grads.publish()
                 self.optimizer.step()
