@@ -25,7 +25,7 @@ Overwriting gives the same bits as adding to zero, so results do not depend on i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -104,7 +104,7 @@ class GradAccumulator:
         buckets.append(_Bucket(group, current))
         return buckets
 
-    def _make_hook(self, bucket: _Bucket, slot: int):
+    def _make_hook(self, bucket: _Bucket, slot: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             if not self._capturing:
                 return  # a backward the user runs outside vflow keeps normal semantics
