@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import itertools
 import statistics
 import sys
 import time
@@ -47,6 +46,7 @@ from torch import nn
 
 import vflow
 from vflow.batching import slice_batch, split_sizes
+from vflow.timing import PhaseClock
 
 TARGET_RATIO = 1.05  # vflow step time / hand loop step time, printed (not asserted)
 
@@ -96,29 +96,6 @@ def cnn(classes: int = 10) -> nn.Module:
 def cnn_batch(b: int, gen: torch.Generator, device: torch.device) -> Batch:
     x = torch.randn(b, 3, 32, 32, generator=gen, device=device)
     return x, torch.randint(0, 10, (b,), generator=gen, device=device)
-
-
-class PhaseClock:
-    """Phase boundaries for the hand loop, taken like vflow's own: host time on CPU,
-    events on the current stream on CUDA (so marking never synchronises)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.marks: list[Any] = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def intervals(self) -> list[float]:
-        if self.cuda:
-            self.marks[-1].synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(self.marks)]
-        return [b - a for a, b in itertools.pairwise(self.marks)]
 
 
 class HandLoop:

@@ -12,7 +12,6 @@ import contextlib
 import itertools
 import logging
 import math
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from vflow.amp import LossScaler
 from vflow.batching import Batch, batch_size, concat_outputs, slice_batch, split_sizes
 from vflow.grads import GradAccumulator
 from vflow.module_buffers import BUFFER_RULES, BufferRule
+from vflow.timing import PhaseClock
 
 LossFn = Callable[[torch.nn.Module, Batch], Any]
 ForwardFn = Callable[[torch.nn.Module, Batch], Any]
@@ -95,28 +95,6 @@ def _require_int(name: str, value: Any, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
-
-
-class _Clock:
-    """Phase boundaries: host timestamps on CPU, events on the current CUDA stream."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
-        self._marks: list[Any] = []
-
-    def mark(self) -> None:
-        if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._marks.append(event)
-        else:
-            self._marks.append(time.perf_counter())
-
-    def intervals(self) -> list[float]:
-        if self._cuda:
-            self._marks[-1].synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self._marks, self._marks[1:])]
-        return [b - a for a, b in zip(self._marks, self._marks[1:])]
 
 
 class Executor:
@@ -279,7 +257,7 @@ class Executor:
         self._check_open()
         total = batch_size(batch)
         slices = self._vn_slices(total)
-        clock = _Clock(self._device)
+        clock = PhaseClock(self._device)
         clock.mark()
         self._buffers.begin_step()
         try:
@@ -322,7 +300,7 @@ class Executor:
         return result
 
     def _forward_backward_reduce(
-        self, batch: Batch, slices: list[VNSlice], total: int, clock: _Clock
+        self, batch: Batch, slices: list[VNSlice], total: int, clock: PhaseClock
     ) -> tuple[float, float, torch.Tensor | None, float | None]:
         self._grads.begin_step()
         scale = 1.0 if self.scaler is None else self.scaler.scale
