@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -33,23 +34,6 @@ namespace {
 // Work below this many elements runs on the calling thread: waking the pool costs
 // more than the pass itself.
 constexpr int64_t kGrainElems = 32768;
-
-enum class GradKind { kFloat, kDouble, kBFloat16, kHalf };
-
-GradKind grad_kind(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return GradKind::kFloat;
-    case at::kDouble:
-      return GradKind::kDouble;
-    case at::kBFloat16:
-      return GradKind::kBFloat16;
-    case at::kHalf:
-      return GradKind::kHalf;
-    default:
-      TORCH_INTERNAL_ASSERT(false, "unexpected gradient dtype ", t);
-  }
-}
 
 inline float bf16_bits_to_float(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -66,26 +50,24 @@ inline T combine(T acc, T scaled) {
   return kOverwrite ? scaled : acc + scaled;
 }
 
-template <bool kOverwrite, typename T>
-void axpy_portable(T* __restrict__ acc, const T* __restrict__ g, T w, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    acc[i] = combine<kOverwrite>(acc[i], w * g[i]);
-  }
+// Widens one stored gradient value to the accumulator type.
+inline float widen(float v) {
+  return v;
+}
+inline double widen(double v) {
+  return v;
+}
+inline float widen(c10::BFloat16 v) {
+  return bf16_bits_to_float(v.x);
+}
+inline float widen(c10::Half v) {
+  return static_cast<float>(v);
 }
 
-template <bool kOverwrite>
-void axpy_bf16_portable(float* __restrict__ acc, const uint16_t* __restrict__ g, float w,
-                        int64_t n) {
+template <bool kOverwrite, typename A, typename G>
+void axpy_portable(A* __restrict__ acc, const G* __restrict__ g, A w, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    acc[i] = combine<kOverwrite>(acc[i], w * bf16_bits_to_float(g[i]));
-  }
-}
-
-template <bool kOverwrite>
-void axpy_f16_portable(float* __restrict__ acc, const c10::Half* __restrict__ g, float w,
-                       int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    acc[i] = combine<kOverwrite>(acc[i], w * static_cast<float>(g[i]));
+    acc[i] = combine<kOverwrite>(acc[i], w * widen(g[i]));
   }
 }
 
@@ -246,55 +228,64 @@ bool cpu_has_avx2() {
 // User-selectable for tests and benchmarks; defaults to the best path available.
 std::atomic<bool> g_use_avx2{cpu_has_avx2()};
 
+#ifdef VFLOW_CPU_AVX2
+// The AVX2 loader for each stored gradient type of a float32 accumulator.
+template <typename G>
+struct Avx2Loader;
+template <>
+struct Avx2Loader<float> {
+  using type = LoadF32;
+};
+template <>
+struct Avx2Loader<c10::BFloat16> {
+  using type = LoadBF16;
+};
+template <>
+struct Avx2Loader<c10::Half> {
+  using type = LoadF16;
+};
+#endif
+
+// acc (+)= w * g over one segment, on the vector path selected by `avx2`.
+template <bool kOverwrite, typename A, typename G>
+void axpy(A* acc, const G* g, A w, int64_t n, bool avx2) {
+#ifdef VFLOW_CPU_AVX2
+  if (avx2) {
+    if constexpr (std::is_same_v<A, double>) {
+      return axpy_f64_avx2<kOverwrite>(acc, g, w, n);
+    } else {
+      using Load = typename Avx2Loader<G>::type;
+      return axpy_f32_avx2<kOverwrite, Load>(
+          acc, reinterpret_cast<const typename Load::T*>(g), w, n);
+    }
+  }
+#else
+  (void)avx2;
+#endif
+  axpy_portable<kOverwrite>(acc, g, w, n);
+}
+
 template <bool kOverwrite>
 void axpy_segment(const at::Tensor& acc, const at::Tensor& grad, double weight, int64_t begin,
                   int64_t len) {
   const bool avx2 = g_use_avx2.load(std::memory_order_relaxed);
-  (void)avx2;
   if (acc.scalar_type() == at::kDouble) {
-    double* a = acc.data_ptr<double>() + begin;
-    const double* g = grad.const_data_ptr<double>() + begin;
-#ifdef VFLOW_CPU_AVX2
-    if (avx2) {
-      return axpy_f64_avx2<kOverwrite>(a, g, weight, len);
-    }
-#endif
-    return axpy_portable<kOverwrite>(a, g, weight, len);
+    return axpy<kOverwrite>(acc.data_ptr<double>() + begin,
+                            grad.const_data_ptr<double>() + begin, weight, len, avx2);
   }
   float* a = acc.data_ptr<float>() + begin;
   const float w = static_cast<float>(weight);
-  switch (grad_kind(grad.scalar_type())) {
-    case GradKind::kFloat: {
-      const float* g = grad.const_data_ptr<float>() + begin;
-#ifdef VFLOW_CPU_AVX2
-      if (avx2) {
-        return axpy_f32_avx2<kOverwrite, LoadF32>(a, g, w, len);
-      }
-#endif
-      return axpy_portable<kOverwrite>(a, g, w, len);
-    }
-    case GradKind::kBFloat16: {
-      const auto* g = reinterpret_cast<const uint16_t*>(grad.const_data_ptr<at::BFloat16>()) + begin;
-#ifdef VFLOW_CPU_AVX2
-      if (avx2) {
-        return axpy_f32_avx2<kOverwrite, LoadBF16>(a, g, w, len);
-      }
-#endif
-      return axpy_bf16_portable<kOverwrite>(a, g, w, len);
-    }
-    case GradKind::kHalf: {
-      const c10::Half* g = grad.const_data_ptr<c10::Half>() + begin;
-#ifdef VFLOW_CPU_AVX2
-      if (avx2) {
-        return axpy_f32_avx2<kOverwrite, LoadF16>(a, reinterpret_cast<const uint16_t*>(g), w, len);
-      }
-#endif
-      return axpy_f16_portable<kOverwrite>(a, g, w, len);
-    }
-    case GradKind::kDouble:
-      break;
+  switch (grad.scalar_type()) {
+    case at::kFloat:
+      return axpy<kOverwrite>(a, grad.const_data_ptr<float>() + begin, w, len, avx2);
+    case at::kBFloat16:
+      return axpy<kOverwrite>(a, grad.const_data_ptr<at::BFloat16>() + begin, w, len, avx2);
+    case at::kHalf:
+      return axpy<kOverwrite>(a, grad.const_data_ptr<at::Half>() + begin, w, len, avx2);
+    default:
+      TORCH_INTERNAL_ASSERT(false, "unexpected gradient dtype ", grad.scalar_type(),
+                            " for a float32 accumulator");
   }
-  TORCH_INTERNAL_ASSERT(false, "float64 gradient reached a float32 accumulator");
 }
 
 } // namespace
