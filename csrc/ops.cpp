@@ -10,10 +10,11 @@ namespace vflow {
 namespace {
 
 bool allowed_grad_dtype(at::ScalarType acc, at::ScalarType grad) {
+  const bool narrow = grad == at::kFloat || grad == at::kBFloat16 || grad == at::kHalf;
   if (acc == at::kFloat) {
-    return grad == at::kFloat || grad == at::kBFloat16 || grad == at::kHalf;
+    return narrow;
   }
-  return acc == at::kDouble && grad == at::kDouble;
+  return acc == at::kDouble && (narrow || grad == at::kDouble);
 }
 
 void check_buffer(const at::Tensor& buf, const char* name) {
@@ -75,7 +76,7 @@ void multi_accumulate_(
     TORCH_CHECK(allowed_grad_dtype(acc.scalar_type(), grad.scalar_type()), "grads[", i,
                 "] has dtype ", grad.scalar_type(), ", which cannot be accumulated into a ",
                 acc.scalar_type(), " accumulator (float32 takes float32/bfloat16/float16, "
-                "float64 takes float64)");
+                "float64 also takes float64)");
     TORCH_CHECK(acc.is_contiguous(), "accs[", i, "] must be contiguous");
     TORCH_CHECK(acc.sizes() == grad.sizes(), "grads[", i, "] has shape ", grad.sizes(),
                 " but accs[", i, "] has shape ", acc.sizes());

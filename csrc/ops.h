@@ -7,7 +7,7 @@
 //   * every accumulator is a contiguous float32 or float64 tensor,
 //   * every gradient is contiguous, has the accumulator's numel and device, and a
 //     dtype allowed for that accumulator (float32/bfloat16/float16 into float32;
-//     float64 into float64),
+//     any of those or float64 into float64),
 //   * all tensors of one call live on one device, none has zero elements,
 //   * accumulators never alias gradients, and never overlap each other (checked:
 //     overlapping accumulators would race between threads or blocks).

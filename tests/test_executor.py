@@ -310,3 +310,12 @@ def test_parameters_unused_in_some_vns_and_steps(bucket_cap_mb):
         x[8, 0] = -1.0  # step 1: nobody uses `extra`; last step's gradient must not leak
         ex.step((x, y))
         assert model.extra.weight.grad.eq(0).all() and model.extra.bias.grad.eq(0).all()
+
+
+def test_float64_accumulation_for_float32_parameters():
+    model = models.mlp()
+    batch = models.classification_data(37)
+    want = models.float64_grads(model, models.mean_ce, batch)
+    _, grads = _run_step(model, models.mean_ce, batch, 8, accumulate_dtype=torch.float64)
+    assert all(g.dtype == torch.float32 for g in grads)  # handed to the optimizer as float32
+    assert max_relative_error(grads, want) <= 1e-6

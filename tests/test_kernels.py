@@ -68,6 +68,16 @@ def test_accumulate_many_tensors_mixed_dtypes(device):
         torch.testing.assert_close(got, want, rtol=_tolerance(torch.float32), atol=1e-5)
 
 
+@pytest.mark.parametrize("grad_dtype", [*GRAD_DTYPES, torch.float64])
+def test_accumulate_into_float64(device, grad_dtype):
+    accs = [torch.randn(n, device=device, dtype=torch.float64) for n in (1, 97, 1025, 100_003)]
+    grads = [torch.randn(a.shape, device=device).to(grad_dtype) for a in accs]
+    expected = [a + 0.1 * g.double() for a, g in zip(accs, grads)]
+    _C.multi_accumulate_(accs, grads, 0.1)
+    for got, want in zip(accs, expected):
+        torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
+
+
 def test_accumulate_float64(device):
     accs = [torch.randn(n, device=device, dtype=torch.float64) for n in (1, 97, 1025, 100_003)]
     grads = [torch.randn_like(a) for a in accs]
@@ -154,6 +164,11 @@ _shared = torch.zeros(8)
         ([torch.zeros(3)], [], "same length"),
         ([torch.zeros(3)], [torch.zeros(4)], "grads\\[0\\] has shape"),
         ([torch.zeros(3)], [torch.zeros(3, dtype=torch.float64)], "cannot be accumulated"),
+        (
+            [torch.zeros(3, dtype=torch.float64)],
+            [torch.zeros(3, dtype=torch.int64)],
+            "cannot be accumulated",
+        ),
         ([torch.zeros(3, dtype=torch.float16)], [torch.zeros(3)], "accs\\[0\\] must be float32"),
         ([torch.zeros(6)[::2]], [torch.zeros(3)], "accs\\[0\\] must be contiguous"),
         ([torch.zeros(3, dtype=torch.int32)], [torch.zeros(3)], "accs\\[0\\] must be float32"),

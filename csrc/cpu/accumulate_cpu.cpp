@@ -252,7 +252,11 @@ void axpy(A* acc, const G* g, A w, int64_t n, bool avx2) {
 #ifdef VFLOW_CPU_AVX2
   if (avx2) {
     if constexpr (std::is_same_v<A, double>) {
-      return axpy_f64_avx2<kOverwrite>(acc, g, w, n);
+      if constexpr (std::is_same_v<G, double>) {
+        return axpy_f64_avx2<kOverwrite>(acc, g, w, n);
+      }
+      // Narrow gradients into float64 accumulators are rare (accumulate_dtype=float64
+      // for float32 parameters): the portable loop serves them.
     } else {
       using Load = typename Avx2Loader<G>::type;
       return axpy_f32_avx2<kOverwrite, Load>(
@@ -265,16 +269,23 @@ void axpy(A* acc, const G* g, A w, int64_t n, bool avx2) {
   axpy_portable<kOverwrite>(acc, g, w, n);
 }
 
+template <bool kOverwrite, typename A>
+void axpy_into(A* a, const at::Tensor& grad, A w, int64_t begin, int64_t len, bool avx2);
+
 template <bool kOverwrite>
 void axpy_segment(const at::Tensor& acc, const at::Tensor& grad, double weight, int64_t begin,
                   int64_t len) {
   const bool avx2 = g_use_avx2.load(std::memory_order_relaxed);
   if (acc.scalar_type() == at::kDouble) {
-    return axpy<kOverwrite>(acc.data_ptr<double>() + begin,
-                            grad.const_data_ptr<double>() + begin, weight, len, avx2);
+    return axpy_into<kOverwrite>(acc.data_ptr<double>() + begin, grad, weight, begin, len, avx2);
   }
-  float* a = acc.data_ptr<float>() + begin;
-  const float w = static_cast<float>(weight);
+  axpy_into<kOverwrite>(acc.data_ptr<float>() + begin, grad, static_cast<float>(weight), begin,
+                        len, avx2);
+}
+
+// Dispatches on the stored gradient dtype for an accumulator of type A.
+template <bool kOverwrite, typename A>
+void axpy_into(A* a, const at::Tensor& grad, A w, int64_t begin, int64_t len, bool avx2) {
   switch (grad.scalar_type()) {
     case at::kFloat:
       return axpy<kOverwrite>(a, grad.const_data_ptr<float>() + begin, w, len, avx2);
@@ -282,9 +293,13 @@ void axpy_segment(const at::Tensor& acc, const at::Tensor& grad, double weight, 
       return axpy<kOverwrite>(a, grad.const_data_ptr<at::BFloat16>() + begin, w, len, avx2);
     case at::kHalf:
       return axpy<kOverwrite>(a, grad.const_data_ptr<at::Half>() + begin, w, len, avx2);
+    case at::kDouble:
+      if constexpr (std::is_same_v<A, double>) {
+        return axpy<kOverwrite>(a, grad.const_data_ptr<double>() + begin, w, len, avx2);
+      }
+      [[fallthrough]];
     default:
-      TORCH_INTERNAL_ASSERT(false, "unexpected gradient dtype ", grad.scalar_type(),
-                            " for a float32 accumulator");
+      TORCH_INTERNAL_ASSERT(false, "unexpected gradient dtype ", grad.scalar_type());
   }
 }
 

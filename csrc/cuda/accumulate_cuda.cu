@@ -386,7 +386,7 @@ void multi_accumulate_cuda(
 
   // Group the pairs by dtype combination, keeping the caller's order within
   // a group (the order does not affect results: every acc is updated once).
-  enum Group { kF32F32 = 0, kF32BF16, kF32F16, kF64F64, kNumGroups };
+  enum Group { kF32F32 = 0, kF32BF16, kF32F16, kF64F64, kF64F32, kF64BF16, kF64F16, kNumGroups };
   std::array<std::vector<size_t>, kNumGroups> groups;
   for (size_t k = 0; k < accs.size(); ++k) {
     const at::Tensor& acc = accs[k];
@@ -406,6 +406,12 @@ void multi_accumulate_cuda(
       groups[kF32F16].push_back(k);
     } else if (acc_type == at::kDouble && grad_type == at::kDouble) {
       groups[kF64F64].push_back(k);
+    } else if (acc_type == at::kDouble && grad_type == at::kFloat) {
+      groups[kF64F32].push_back(k);
+    } else if (acc_type == at::kDouble && grad_type == at::kBFloat16) {
+      groups[kF64BF16].push_back(k);
+    } else if (acc_type == at::kDouble && grad_type == at::kHalf) {
+      groups[kF64F16].push_back(k);
     } else {
       TORCH_INTERNAL_ASSERT(
           false, "vflow: unsupported (acc, grad) dtype pair (", acc_type, ", ", grad_type, ")");
@@ -426,6 +432,16 @@ void multi_accumulate_cuda(
   }
   if (!groups[kF64F64].empty()) {
     launch_multi_accumulate<double, double>(accs, grads, groups[kF64F64], weight, overwrite);
+  }
+  // float64 accumulators of narrower gradients (accumulate_dtype=float64).
+  if (!groups[kF64F32].empty()) {
+    launch_multi_accumulate<double, float>(accs, grads, groups[kF64F32], weight, overwrite);
+  }
+  if (!groups[kF64BF16].empty()) {
+    launch_multi_accumulate<double, c10::BFloat16>(accs, grads, groups[kF64BF16], weight, overwrite);
+  }
+  if (!groups[kF64F16].empty()) {
+    launch_multi_accumulate<double, c10::Half>(accs, grads, groups[kF64F16], weight, overwrite);
   }
 }
 
