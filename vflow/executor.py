@@ -13,7 +13,7 @@ import itertools
 import logging
 import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -472,7 +472,3 @@ class Executor:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
-
-    @property
-    def parameters(self) -> Iterator[torch.nn.Parameter]:
-        return iter(self._grads.params)

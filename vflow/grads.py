@@ -140,10 +140,6 @@ class GradAccumulator:
         for group in self.groups:
             yield from group.buckets
 
-    @property
-    def params(self) -> list[torch.nn.Parameter]:
-        return [p for group in self.groups for p in group.params]
-
     def begin_step(self) -> None:
         """Detaches ``param.grad`` so backward writes fresh gradients; see
         Note [First fold overwrites] for why the buffers need no zeroing here."""

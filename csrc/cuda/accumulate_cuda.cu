@@ -420,29 +420,23 @@ void multi_accumulate_cuda(
 
   // The weight is rounded to the accumulator dtype once, as `acc.add_(grad,
   // alpha=weight)` does for a float accumulator.
-  const float weight_f = static_cast<float>(weight);
-  if (!groups[kF32F32].empty()) {
-    launch_multi_accumulate<float, float>(accs, grads, groups[kF32F32], weight_f, overwrite);
-  }
-  if (!groups[kF32BF16].empty()) {
-    launch_multi_accumulate<float, c10::BFloat16>(accs, grads, groups[kF32BF16], weight_f, overwrite);
-  }
-  if (!groups[kF32F16].empty()) {
-    launch_multi_accumulate<float, c10::Half>(accs, grads, groups[kF32F16], weight_f, overwrite);
-  }
-  if (!groups[kF64F64].empty()) {
-    launch_multi_accumulate<double, double>(accs, grads, groups[kF64F64], weight, overwrite);
-  }
+  // The tag arguments carry only their types: (accumulator, gradient) dtype.
+  const auto launch = [&](auto acc_tag, auto grad_tag, Group group) {
+    using acc_t = decltype(acc_tag);
+    using grad_t = decltype(grad_tag);
+    if (!groups[group].empty()) {
+      launch_multi_accumulate<acc_t, grad_t>(
+          accs, grads, groups[group], static_cast<acc_t>(weight), overwrite);
+    }
+  };
+  launch(float{}, float{}, kF32F32);
+  launch(float{}, c10::BFloat16{}, kF32BF16);
+  launch(float{}, c10::Half{}, kF32F16);
+  launch(double{}, double{}, kF64F64);
   // float64 accumulators of narrower gradients (accumulate_dtype=float64).
-  if (!groups[kF64F32].empty()) {
-    launch_multi_accumulate<double, float>(accs, grads, groups[kF64F32], weight, overwrite);
-  }
-  if (!groups[kF64BF16].empty()) {
-    launch_multi_accumulate<double, c10::BFloat16>(accs, grads, groups[kF64BF16], weight, overwrite);
-  }
-  if (!groups[kF64F16].empty()) {
-    launch_multi_accumulate<double, c10::Half>(accs, grads, groups[kF64F16], weight, overwrite);
-  }
+  launch(double{}, float{}, kF64F32);
+  launch(double{}, c10::BFloat16{}, kF64BF16);
+  launch(double{}, c10::Half{}, kF64F16);
 }
 
 // Contract: `buf` is a contiguous, non-empty float32 or float64 CUDA tensor;
