@@ -67,6 +67,7 @@ def _extension():
         "csrc/bindings.cpp",
         "csrc/ops.cpp",
         "csrc/grad_buffer.cpp",
+        "csrc/reducer.cpp",
         "csrc/torch_ops.cpp",
         "csrc/cpu/accumulate_cpu.cpp",
     ]

@@ -5,6 +5,10 @@
 
 #include "grad_buffer.h"
 #include "ops.h"
+#include "reducer.h"
+
+#include <chrono>
+#include <optional>
 
 #ifndef VFLOW_TORCH_VERSION
 #define VFLOW_TORCH_VERSION "unknown"
@@ -29,7 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("found_nonfinite"),
         "buf *= factor and set found_nonfinite to 1 if any result is inf/NaN, in one pass.");
 
-  py::class_<vflow::GradBuffer>(m, "GradBuffer")
+  py::class_<vflow::GradBuffer, std::shared_ptr<vflow::GradBuffer>>(m, "GradBuffer")
       .def(py::init<const std::vector<at::Tensor>&, at::ScalarType>(), py::arg("params"),
            py::arg("dtype"))
       .def_property_readonly("data", &vflow::GradBuffer::data)
@@ -46,4 +50,57 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("offsets", &vflow::GradBuffer::offsets)
       .def_property_readonly("numels", &vflow::GradBuffer::numels)
       .def("__len__", &vflow::GradBuffer::num_slots);
+
+  using vflow::Reducer;
+  py::register_exception<vflow::CollectiveError>(m, "CollectiveError", PyExc_RuntimeError);
+  py::class_<Reducer::BucketRange>(m, "BucketRange")
+      .def_readonly("buffer", &Reducer::BucketRange::buffer)
+      .def_readonly("first_slot", &Reducer::BucketRange::first_slot)
+      .def_readonly("last_slot", &Reducer::BucketRange::last_slot)
+      .def_readonly("offset", &Reducer::BucketRange::offset)
+      .def_readonly("numel", &Reducer::BucketRange::numel);
+
+  // Every call that may start or wait for a collective releases the GIL. Holding it
+  // while enqueueing deadlocks: a backend worker thread that drops the last reference
+  // to a finished collective's tensor must take the GIL to free that tensor's Python
+  // object, and it does so while holding the lock that enqueueing needs. The hooks
+  // call add_grad from Python, so the release happens here rather than in the hook.
+  py::class_<Reducer>(m, "Reducer")
+      .def(py::init([](const std::vector<std::vector<at::Tensor>>& groups,
+                       const std::vector<at::ScalarType>& dtypes, int64_t first_bucket_bytes,
+                       int64_t bucket_cap_bytes,
+                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> process_group,
+                       double timeout_seconds, std::string description) {
+             TORCH_CHECK(timeout_seconds > 0, "timeout_seconds must be > 0, got ",
+                         timeout_seconds);
+             const auto timeout = std::chrono::milliseconds(
+                 std::max<int64_t>(1, static_cast<int64_t>(timeout_seconds * 1000.0)));
+             return std::make_unique<Reducer>(
+                 groups, dtypes, first_bucket_bytes, bucket_cap_bytes,
+                 process_group.value_or(c10::intrusive_ptr<c10d::ProcessGroup>()), timeout,
+                 std::move(description));
+           }),
+           py::arg("groups"), py::arg("dtypes"), py::arg("first_bucket_bytes"),
+           py::arg("bucket_cap_bytes"), py::arg("process_group") = py::none(),
+           py::arg("timeout_seconds") = 600.0, py::arg("description") = "the process group")
+      .def_property_readonly("buffers", &Reducer::buffers)
+      .def_property_readonly("num_buckets", &Reducer::num_buckets)
+      .def_property_readonly("world_size", &Reducer::world_size)
+      .def("bucket_of", &Reducer::bucket_of, py::arg("buffer"), py::arg("slot"))
+      .def("bucket_ranges", &Reducer::bucket_ranges)
+      .def("begin_step", &Reducer::begin_step, py::arg("step"))
+      .def("begin_vn", &Reducer::begin_vn, py::arg("weight"), py::arg("last"))
+      .def("add_grad", &Reducer::add_grad, py::arg("bucket"), py::arg("slot"), py::arg("grad"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("end_vn", &Reducer::end_vn,
+           py::call_guard<py::gil_scoped_release>())
+      .def("abort_vn", &Reducer::abort_vn,
+           py::call_guard<py::gil_scoped_release>())
+      .def("start_stats", &Reducer::start_stats, py::arg("stats"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("wait_stats", &Reducer::wait_stats, py::call_guard<py::gil_scoped_release>())
+      .def("finalize", &Reducer::finalize, py::arg("factor"), py::arg("found_nonfinite"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("discard", &Reducer::discard, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("last_wait_seconds", &Reducer::last_wait_seconds);
 }

@@ -1,14 +1,29 @@
 """vflow: virtual node processing for PyTorch.
 
 A global batch of B samples is split into V virtual nodes (VNs); B and V are chosen
-by the user and do not depend on the hardware. Each worker runs its VNs one after
-another, accumulating gradients in fused flat buffers, then steps once.
+by the user and do not depend on the hardware. A plan maps the VNs onto the workers
+of a process group; each worker runs its VNs one after another, accumulating
+gradients in fused flat buffers, then all workers reduce and step once.
 """
 
 from vflow._extension import _C
 from vflow.amp import LossScaler
 from vflow.batching import split_sizes
+from vflow.data import VNBatchSampler
+from vflow.distributed import CollectiveError
 from vflow.executor import Executor, PhaseTimings, StepResult
+from vflow.plan import Plan, VNSlice
 
-__all__ = ["_C", "Executor", "LossScaler", "PhaseTimings", "StepResult", "split_sizes"]
-__version__ = "0.1.0"
+__all__ = [
+    "_C",
+    "CollectiveError",
+    "Executor",
+    "LossScaler",
+    "PhaseTimings",
+    "Plan",
+    "StepResult",
+    "VNBatchSampler",
+    "VNSlice",
+    "split_sizes",
+]
+__version__ = "0.2.0"

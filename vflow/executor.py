@@ -1,29 +1,34 @@
-"""``vflow.Executor``: runs a global batch as V virtual nodes (VNs) on this worker.
+"""``vflow.Executor``: runs a global batch as V virtual nodes (VNs) over the workers
+of a process group.
 
-A step splits the global batch into V contiguous VN slices (vflow.batching), runs
-forward and backward VN by VN while the fused kernels fold each VN's gradients into
-flat float32 buffers (vflow.grads), normalises once for the whole global batch, and
-steps the optimizer once. See docs/design.md for the semantics this guarantees.
+A step splits the global batch into V contiguous VN slices; the plan (vflow.plan)
+says which of them this worker runs. The worker runs forward and backward VN by VN
+while the fused kernels fold each VN's gradients into flat float32 buffers, and
+during its last VN the C++ Reducer all-reduces the buffers bucket by bucket
+(vflow.grads, csrc/reducer.h). The gradient is normalised once for the whole global
+batch and every worker steps its optimizer once on the same gradient. See
+docs/design.md for the semantics this guarantees.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
+import datetime
 import logging
 import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from vflow import rng
+from vflow import distributed, rng
 from vflow.amp import LossScaler
-from vflow.batching import Batch, batch_size, concat_outputs, slice_batch, split_sizes
+from vflow.batching import Batch, batch_size, concat_outputs, map_batch, slice_batch
 from vflow.grads import GradAccumulator
 from vflow.module_buffers import BUFFER_RULES, BufferRule
+from vflow.plan import Plan, VNSlice
 from vflow.timing import PhaseClock
 
 LossFn = Callable[[torch.nn.Module, Batch], Any]
@@ -39,12 +44,6 @@ _OWNERS: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[Executor]] = (
 )
 
 
-class VNSlice(NamedTuple):
-    vn: int
-    start: int
-    size: int
-
-
 @dataclass(frozen=True)
 class PhaseTimings:
     """Seconds spent in each phase of one step (wall clock on the host; on CUDA
@@ -53,6 +52,9 @@ class PhaseTimings:
     forward_backward: float
     reduce: float
     optimizer: float
+    # Of ``reduce``: host time blocked on gradient all-reduces that backward did not
+    # hide (0 on one worker).
+    reduce_wait: float = 0.0
 
     @property
     def total(self) -> float:
@@ -63,9 +65,9 @@ class PhaseTimings:
 class StepResult:
     """What one global step did.
 
-    loss: the global batch's loss — the size-weighted mean of the VN mean losses, or
-      sum(loss_sum) / sum(num_items) for ``(loss_sum, num_items)`` losses.
-    num_items: samples in the batch for mean losses, else the total num_items.
+    loss: the global batch's loss (all workers) — the size-weighted mean of the VN mean
+      losses, or sum(loss_sum) / sum(num_items) for ``(loss_sum, num_items)`` losses.
+    num_items: samples in the global batch for mean losses, else the total num_items.
     step: index of this step (0 for the first).
     skipped: True when the optimizer step was skipped because a gradient was inf/NaN.
     loss_scale: the fp16 loss scale used for this step, or None without loss scaling.
@@ -119,8 +121,21 @@ class Executor:
             Note [Buffer rule].
         max_grad_norm: if set, clip the global gradient 2-norm to this value before
             the optimizer step (torch.nn.utils.clip_grad_norm_ semantics).
-        bucket_cap_mb: gradients are folded into the buffers in buckets of at most
-            this many MB, bounding the un-folded gradients held during backward.
+        plan: which VNs each worker of the process group runs (vflow.Plan); defaults
+            to ``Plan.even(virtual_nodes, world_size)``. Replace it with ``set_plan``.
+        process_group: the torch.distributed group whose workers share the step;
+            defaults to the default group when torch.distributed is initialised, else
+            this process alone. Every rank must construct its Executor with the same
+            arguments (checked: plan and model layout).
+        timeout: bound on every wait for a collective (seconds or a timedelta). When a
+            worker dies or hangs, the others raise vflow.CollectiveError naming the
+            step and the group within this time.
+        bucket_cap_mb: gradients are folded and all-reduced in buckets of at most this
+            many MB (see Note [Buckets] in csrc/reducer.h).
+        first_bucket_mb: cap of the first bucket, kept small so that the first
+            all-reduce starts early in backward.
+        broadcast_parameters: with a process group, copy rank 0's parameters and
+            buffers to every rank at construction (as DDP does), so replicas start equal.
     """
 
     def __init__(
@@ -137,7 +152,12 @@ class Executor:
         skip_nonfinite: bool | None = None,
         buffer_rule: str = "vn0",
         max_grad_norm: float | None = None,
+        plan: Plan | None = None,
+        process_group: torch.distributed.ProcessGroup | None = None,
+        timeout: float | datetime.timedelta = 600.0,
         bucket_cap_mb: float = 25.0,
+        first_bucket_mb: float = 1.0,
+        broadcast_parameters: bool = True,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -163,8 +183,15 @@ class Executor:
             raise ValueError(
                 f"max_grad_norm must be a positive number or None, got {max_grad_norm}"
             )
-        if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
-            raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb}")
+        for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value}")
+        timeout = distributed.to_timedelta(timeout)
+        group = distributed.resolve_group(process_group)
+        world_size = 1 if group is None else group.size()
+        if plan is None:
+            plan = distributed.default_plan(self.virtual_nodes, world_size)
+        plan = distributed.check_plan(plan, self.virtual_nodes, world_size)
         if not (loss_scale is None or isinstance(loss_scale, (bool, LossScaler))):
             raise TypeError(
                 f"loss_scale must be None, a bool or a vflow.LossScaler, got "
@@ -176,6 +203,30 @@ class Executor:
             raise ValueError(
                 "model is already driven by another live vflow.Executor; call its close() first"
             )
+        bucket_cap_bytes = max(1, int(bucket_cap_mb * 1024 * 1024))
+        first_bucket_bytes = max(1, int(first_bucket_mb * 1024 * 1024))
+        self._collectives = None if group is None else distributed.Collectives(group, timeout)
+        if self._collectives is not None:
+            layout = repr(
+                (
+                    [(tuple(p.shape), str(p.dtype)) for p in params],
+                    [(name, tuple(b.shape), str(b.dtype)) for name, b in model.named_buffers()],
+                    str(accumulate_dtype),
+                    bucket_cap_bytes,
+                    first_bucket_bytes,
+                    buffer_rule,
+                )
+            )
+            self._collectives.check_agreement(
+                [
+                    ("plan", repr(plan), repr(plan)),
+                    ("model layout", layout, "this rank's parameters, buffers and buckets"),
+                ]
+            )
+            if broadcast_parameters:
+                self._collectives.broadcast_from_first(
+                    [*params, *model.buffers()], "broadcast of rank 0's parameters", None
+                )
 
         self.model = model
         self.optimizer = optimizer
@@ -195,10 +246,37 @@ class Executor:
         self._device = params[0].device
         self._devices = sorted({p.device for p in params}, key=str)
         self._buffers = BufferRule(model, buffer_rule)
+        self._plan = plan
+        self.process_group = group
+        self.rank = 0 if group is None else group.rank()
+        self.world_size = world_size
         self._grads = GradAccumulator(
-            params, accumulate_dtype, bucket_cap_bytes=int(bucket_cap_mb * 1024 * 1024)
+            params,
+            accumulate_dtype,
+            bucket_cap_bytes=bucket_cap_bytes,
+            first_bucket_bytes=first_bucket_bytes,
+            process_group=group,
+            timeout=timeout,
+            group_description="this process" if group is None else distributed.describe(group),
         )
         _OWNERS[model] = weakref.ref(self)
+
+    @property
+    def plan(self) -> Plan:
+        return self._plan
+
+    def set_plan(self, plan: Plan) -> None:
+        """Runs the following steps with ``plan`` (same V, one entry per rank).
+
+        With a process group this is a collective: every rank must call it between the
+        same two steps with the same plan (checked; on a mismatch every rank raises and
+        keeps its old plan).
+        """
+        self._check_open()
+        plan = distributed.check_plan(plan, self.virtual_nodes, self.world_size)
+        if self._collectives is not None:
+            self._collectives.check_agreement([("plan", repr(plan), repr(plan))])
+        self._plan = plan
 
     @staticmethod
     def _trainable_params(
@@ -234,20 +312,38 @@ class Executor:
             raise ValueError("model has no trainable parameters (requires_grad=True)")
         return params
 
-    def _vn_slices(self, total: int) -> list[VNSlice]:
-        """The VNs this worker runs, as (VN index, first sample, size) in run order.
+    def _local_slices(
+        self, batch: Batch, global_batch_size: int | None
+    ) -> tuple[list[VNSlice], int]:
+        """This worker's VNs as slices of ``batch``, and the global batch size B.
 
-        The global VN split depends on (B, V) only; which of those VNs a worker runs is
-        the one place that knows about workers (all of them, in this release).
+        ``batch`` is the global batch, or with ``global_batch_size`` only this worker's
+        samples of it (its VNs' slices, concatenated in VN order).
         """
-        sizes = split_sizes(total, self.virtual_nodes)
-        starts = itertools.accumulate(sizes[:-1], initial=0)
-        return [VNSlice(i, start, size) for i, (start, size) in enumerate(zip(starts, sizes))]
+        total = batch_size(batch)
+        if global_batch_size is None:
+            return self._plan.worker_slices(self.rank, total), total
+        _require_int("global_batch_size", global_batch_size, 1)
+        start, stop = self._plan.worker_range(self.rank, global_batch_size)
+        if total != stop - start:
+            raise ValueError(
+                f"batch has {total} samples but worker {self.rank}'s share of a global batch of "
+                f"global_batch_size={global_batch_size} under {self._plan} is {stop - start} "
+                f"(samples [{start}, {stop})); pass this worker's samples only, or the whole "
+                "global batch without global_batch_size"
+            )
+        slices = self._plan.worker_slices(self.rank, global_batch_size)
+        return [VNSlice(vn, begin - start, size) for vn, begin, size in slices], global_batch_size
 
     # ---- training -------------------------------------------------------------
 
-    def step(self, batch: Batch) -> StepResult:
-        """Runs one global step over ``batch`` (the whole global batch, B samples).
+    def step(self, batch: Batch, *, global_batch_size: int | None = None) -> StepResult:
+        """Runs one global step.
+
+        ``batch`` is either the whole global batch (B samples; every rank passes the same
+        one and runs its VNs' slices of it), or — with ``global_batch_size=B`` — only
+        this worker's samples: its VNs' slices of the global batch concatenated in VN
+        order, as vflow.data.VNBatchSampler yields them.
 
         On any error before the optimizer step (bad input, an exception in loss_fn or
         backward) the model's parameters and buffers, the optimizer, the loss scaler and
@@ -255,8 +351,7 @@ class Executor:
         raised by ``optimizer.step()`` itself propagates with the module buffers restored.
         """
         self._check_open()
-        total = batch_size(batch)
-        slices = self._vn_slices(total)
+        slices, total = self._local_slices(batch, global_batch_size)
         clock = PhaseClock(self._device)
         clock.mark()
         self._buffers.begin_step()
@@ -265,6 +360,8 @@ class Executor:
                 loss, num_items, found, grad_norm = self._forward_backward_reduce(
                     batch, slices, total, clock
                 )
+                if self._collectives is not None and self._buffers.has_buffers:
+                    self._buffers.reduce(self._collectives, self.virtual_nodes, self.step_count)
             skipped = bool(found) if found is not None else False
             if skipped:
                 self._grads.clear()
@@ -294,7 +391,7 @@ class Executor:
             skipped=skipped,
             loss_scale=scale,
             grad_norm=grad_norm,
-            timings=PhaseTimings(fb, reduce, opt),
+            timings=PhaseTimings(fb, reduce, opt, self._grads.last_wait_seconds),
         )
         self.step_count += 1
         return result
@@ -302,12 +399,13 @@ class Executor:
     def _forward_backward_reduce(
         self, batch: Batch, slices: list[VNSlice], total: int, clock: PhaseClock
     ) -> tuple[float, float, torch.Tensor | None, float | None]:
-        self._grads.begin_step()
+        self._grads.begin_step(self.step_count)
         scale = 1.0 if self.scaler is None else self.scaler.scale
         kind: str | None = None
         loss_parts: list[torch.Tensor] = []
-        item_parts: list[torch.Tensor | float] = []
-        for vn, start, size in slices:
+        item_parts: list[torch.Tensor] = []
+        for position, (vn, start, size) in enumerate(slices):
+            last = position == len(slices) - 1
             vn_batch = slice_batch(batch, start, start + size)
             rng.seed_all(rng.vn_seed(self.seed, self.step_count, vn), self._devices)
             with self._autocast():
@@ -316,32 +414,90 @@ class Executor:
             if kind is not None and this_kind != kind:
                 raise TypeError(
                     f"loss_fn returned a {this_kind} loss for virtual node {vn} but a {kind} "
-                    "loss for virtual node 0; every VN must return the same kind"
+                    f"loss for virtual node {slices[0].vn}; every VN must return the same kind"
                 )
             kind = this_kind
             # Mean losses are weighted by VN size / B here; summed losses are added as
             # they are and divided by the global item count once all VNs have run.
             weight = size / total if kind == "mean" else 1.0
-            self._grads.backward(loss.float() * scale if scale != 1.0 else loss, weight)
+            loss_parts.append(loss.detach().double() * weight)
+            item_parts.append(torch.as_tensor(items, dtype=torch.float64).to(self._device))
+            if last:
+                stats = self._local_stats(loss_parts, item_parts, kind)
+                self._grads.start_stats(stats)
+            self._grads.backward(loss.float() * scale if scale != 1.0 else loss, weight, last)
             self._buffers.end_vn()
-            loss_parts.append(loss.detach().float() * weight)
-            item_parts.append(items)
+        clock.mark()
+        loss_total, items_total, sum_kind_workers = self._global_stats(stats, slices, item_parts)
+        if sum_kind_workers not in (0, self.world_size):
+            raise TypeError(
+                f"loss_fn returned (loss_sum, num_items) losses on {sum_kind_workers:g} of "
+                f"{self.world_size} workers and mean losses on the others; every worker must "
+                "return the same kind"
+            )
         factor = 1.0 / scale
         if kind == "mean":
             num_items = float(total)
+            loss_value = loss_total
         else:
-            num_items = self._total_items(item_parts)
+            self._check_items(items_total)
+            num_items = items_total
             factor /= num_items
-        clock.mark()
+            loss_value = loss_total / num_items
         found = self._grads.finish(factor, self.skip_nonfinite)
         grad_norm = None
         if self.max_grad_norm is not None and not (found is not None and bool(found)):
             grad_norm = self._clip()
-        loss_value = torch.stack(loss_parts).sum().item()
-        if kind == "sum":
-            loss_value /= num_items
         clock.mark()
         return loss_value, num_items, found, grad_norm
+
+    def _local_stats(
+        self, loss_parts: list[torch.Tensor], item_parts: list[torch.Tensor], kind: str
+    ) -> torch.Tensor:
+        """[weighted loss sum, item count, 1 if summed losses] of this worker's VNs, in
+        float64 on the communication device, to be summed over the workers."""
+        device = self._device if self._collectives is None else self._collectives.device
+        items = torch.stack(item_parts)
+        # Counted on the device, so that bad counts are seen by every worker without a
+        # host synchronisation before the last backward.
+        bad = ((items < 0) | ~torch.isfinite(items)).sum().double()
+        kind_flag = torch.tensor(1.0 if kind == "sum" else 0.0, dtype=torch.float64)
+        return torch.stack(
+            [
+                torch.stack(loss_parts).sum().to(device),
+                items.sum().to(device),
+                kind_flag.to(device),
+                bad.to(device),
+            ]
+        )
+
+    def _global_stats(
+        self, stats: torch.Tensor, slices: list[VNSlice], item_parts: list[torch.Tensor]
+    ) -> tuple[float, float, float]:
+        self._grads.wait_stats()
+        loss_total, items_total, sum_kind_workers, bad_items = stats.tolist()
+        if bad_items:
+            for (vn, _, _), items in zip(slices, item_parts, strict=True):
+                value = float(items)
+                if not math.isfinite(value) or value < 0:
+                    raise ValueError(
+                        f"loss_fn (virtual node {vn}) returned num_items={value}; expected a "
+                        "count >= 0"
+                    )
+            raise ValueError(
+                f"loss_fn returned a num_items that is negative or not finite on "
+                f"{bad_items:g} virtual node(s) of other workers; expected counts >= 0"
+            )
+        return loss_total, items_total, sum_kind_workers
+
+    @staticmethod
+    def _check_items(total: float) -> None:
+        if not math.isfinite(total) or total <= 0:
+            raise ValueError(
+                f"loss_fn returned num_items summing to {total} over the global batch; the "
+                "summed loss is divided by this total, so it must be finite and > 0 (and every "
+                "VN's num_items a count >= 0)"
+            )
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.amp is None:
@@ -395,22 +551,6 @@ class Executor:
             )
         return loss.reshape(()), items, kind
 
-    @staticmethod
-    def _total_items(parts: list[torch.Tensor | float]) -> float:
-        values = [float(p) if isinstance(p, torch.Tensor) else p for p in parts]
-        for vn, value in enumerate(values):
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(
-                    f"loss_fn (virtual node {vn}) returned num_items={value}; expected a count >= 0"
-                )
-        total = sum(values)
-        if total <= 0:
-            raise ValueError(
-                f"loss_fn returned num_items summing to {total} over the global batch; the "
-                "summed loss is divided by this total, so it must be > 0"
-            )
-        return total
-
     def _clip(self) -> float:
         norms = [torch.linalg.vector_norm(g.buffer.data) for g in self._grads.groups]
         total = torch.linalg.vector_norm(torch.stack([n.to(self._device) for n in norms]))
@@ -424,8 +564,21 @@ class Executor:
     # ---- inference --------------------------------------------------------------
 
     @torch.no_grad()
-    def infer(self, batch: Batch, forward_fn: ForwardFn | None = None) -> Any:
+    def infer(
+        self,
+        batch: Batch,
+        forward_fn: ForwardFn | None = None,
+        *,
+        global_batch_size: int | None = None,
+        gather: bool = True,
+    ) -> Any:
         """Runs the forward VN by VN under no_grad; returns outputs in batch order.
+
+        ``batch`` is the global batch, or this worker's samples of it with
+        ``global_batch_size`` (as in ``step``). Each worker runs only its own VNs; with
+        a process group and ``gather`` (default) the outputs of all workers are gathered
+        so that every rank returns the outputs of the whole global batch, as a single
+        process would. ``gather=False`` returns this worker's outputs only.
 
         ``forward_fn(model, vn_batch)`` defaults to ``model(x)`` for a tensor,
         ``model(*batch)`` for a tuple/list and ``model(**batch)`` for a dict. Outputs
@@ -434,17 +587,26 @@ class Executor:
         inference-mode BatchNorm and dropout).
         """
         self._check_open()
-        total = batch_size(batch)
+        if not isinstance(gather, bool):
+            raise TypeError(f"gather must be a bool, got {type(gather).__name__}")
+        slices, total = self._local_slices(batch, global_batch_size)
         forward = _default_forward if forward_fn is None else forward_fn
         outputs = []
         with rng.preserved_rng(self._devices):
-            for vn, start, size in self._vn_slices(total):
+            for vn, start, size in slices:
                 rng.seed_all(
                     rng.vn_seed(self.seed, self.step_count, vn, rng.INFER_STREAM), self._devices
                 )
                 with self._autocast():
                     outputs.append(forward(self.model, slice_batch(batch, start, start + size)))
-        return concat_outputs(outputs)
+        local = concat_outputs(outputs)
+        if self._collectives is None or not gather:
+            return local
+        counts = [stop - start for start, stop in self._worker_ranges(total)]
+        return map_batch(local, lambda t: self._collectives.gather_rows(t, counts, self.step_count))
+
+    def _worker_ranges(self, total: int) -> list[tuple[int, int]]:
+        return [self._plan.worker_range(w, total) for w in range(self.world_size)]
 
     # ---- lifecycle ----------------------------------------------------------------
 

@@ -19,7 +19,12 @@ activations for the models this targets (a ResNet-50 has 0.2 MB of them).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from vflow.distributed import Collectives
 
 BUFFER_RULES = ("vn0", "mean")
 
@@ -39,6 +44,10 @@ class BufferRule:
         self._snapshot: list[torch.Tensor] = []
         self._result: list[torch.Tensor] = []
         self._vns = 0
+
+    @property
+    def has_buffers(self) -> bool:
+        return bool(self._slots)
 
     def _current(self, k: int) -> torch.Tensor:
         module, name = self._slots[k]
@@ -72,6 +81,18 @@ class BufferRule:
         if module._buffers[name] is not self._start[k]:
             module._buffers[name] = self._start[k]
         self._start[k].copy_(self._snapshot[k])
+
+    @torch.no_grad()
+    def reduce(self, collectives: Collectives, virtual_nodes: int, step: int) -> None:
+        """Turns this worker's per-VN record into the rule's value over all V VNs of
+        all workers (VN 0 runs on the group's first rank); call before commit."""
+        averaged = [value for value in self._result if self._averaged(value)]
+        from_vn0 = [value for value in self._result if not self._averaged(value)]
+        if averaged:
+            collectives.sum(averaged, "all-reduce of the module buffers", step)
+        if from_vn0:
+            collectives.broadcast_from_first(from_vn0, "broadcast of VN 0's module buffers", step)
+        self._vns = virtual_nodes
 
     @torch.no_grad()
     def commit(self) -> None:

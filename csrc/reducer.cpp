@@ -1,0 +1,329 @@
+#include "reducer.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+
+#include <sstream>
+#include <utility>
+
+namespace vflow {
+
+namespace {
+
+std::string error_text(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
+    return c10_error->what_without_backtrace();
+  }
+  return e.what();
+}
+
+const std::string kStatsName = "all-reduce of the step's loss and item totals";
+
+} // namespace
+
+Reducer::Reducer(
+    const std::vector<std::vector<at::Tensor>>& groups,
+    const std::vector<at::ScalarType>& dtypes,
+    int64_t first_bucket_bytes,
+    int64_t bucket_cap_bytes,
+    c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+    std::chrono::milliseconds timeout,
+    std::string description)
+    : process_group_(std::move(process_group)),
+      timeout_(timeout),
+      description_(std::move(description)) {
+  TORCH_CHECK(!groups.empty(), "groups must hold at least one parameter group");
+  TORCH_CHECK(groups.size() == dtypes.size(), "dtypes has ", dtypes.size(),
+              " entries but groups has ", groups.size(), "; give one dtype per group");
+  TORCH_CHECK(first_bucket_bytes > 0, "first_bucket_bytes must be > 0, got ",
+              first_bucket_bytes);
+  TORCH_CHECK(bucket_cap_bytes > 0, "bucket_cap_bytes must be > 0, got ", bucket_cap_bytes);
+  TORCH_CHECK(timeout.count() > 0, "timeout must be > 0 ms, got ", timeout.count());
+  for (const auto g : c10::irange(groups.size())) {
+    auto buffer = std::make_shared<GradBuffer>(groups[g], dtypes[g]);
+    const int64_t element_size = static_cast<int64_t>(buffer->data().element_size());
+    const auto& numels = buffer->numels();
+    const auto& offsets = buffer->offsets();
+    std::vector<int64_t> owner(numels.size());
+    int64_t first = 0;
+    int64_t bytes = 0;
+    int64_t cap = first_bucket_bytes;
+    auto close_bucket = [&](int64_t last) {
+      Bucket bucket;
+      bucket.buffer = static_cast<int64_t>(g);
+      bucket.first_slot = first;
+      bucket.last_slot = last;
+      const int64_t end = offsets[last] + numels[last];
+      bucket.flat = buffer->data().narrow(0, offsets[first], end - offsets[first]);
+      for (int64_t s = first; s <= last; ++s) {
+        owner[s] = static_cast<int64_t>(buckets_.size());
+      }
+      buckets_.push_back(std::move(bucket));
+    };
+    for (const auto s : c10::irange(static_cast<int64_t>(numels.size()))) {
+      const int64_t slot_bytes = numels[s] * element_size;
+      if (s > first && bytes + slot_bytes > cap) {
+        close_bucket(s - 1);
+        first = s;
+        bytes = 0;
+        cap = bucket_cap_bytes;
+      }
+      bytes += slot_bytes;
+    }
+    close_bucket(static_cast<int64_t>(numels.size()) - 1);
+    bucket_of_slot_.push_back(std::move(owner));
+    buffers_.push_back(std::move(buffer));
+  }
+}
+
+int64_t Reducer::bucket_of(int64_t buffer, int64_t slot) const {
+  TORCH_CHECK(buffer >= 0 && buffer < static_cast<int64_t>(buffers_.size()),
+              "buffer must be in [0, ", buffers_.size(), "), got ", buffer);
+  const auto& owners = bucket_of_slot_[buffer];
+  TORCH_CHECK(slot >= 0 && slot < static_cast<int64_t>(owners.size()),
+              "slot must be in [0, ", owners.size(), "), got ", slot);
+  return owners[slot];
+}
+
+std::vector<Reducer::BucketRange> Reducer::bucket_ranges() const {
+  std::vector<BucketRange> out;
+  out.reserve(buckets_.size());
+  for (const auto& bucket : buckets_) {
+    const int64_t offset = buffers_[bucket.buffer]->offsets()[bucket.first_slot];
+    out.push_back({bucket.buffer, bucket.first_slot, bucket.last_slot, offset,
+                   bucket.flat.numel()});
+  }
+  return out;
+}
+
+int64_t Reducer::world_size() const {
+  return process_group_ ? process_group_->getSize() : 1;
+}
+
+bool Reducer::reduces() const {
+  return process_group_ && process_group_->getSize() > 1;
+}
+
+std::string Reducer::bucket_name(size_t index) const {
+  const auto& bucket = buckets_[index];
+  const double megabytes = static_cast<double>(bucket.flat.numel()) *
+      static_cast<double>(bucket.flat.element_size()) / (1024.0 * 1024.0);
+  std::ostringstream out;
+  out << "all-reduce of gradient bucket " << index << " of " << buckets_.size() << " ("
+      << megabytes << " MB)";
+  return out.str();
+}
+
+void Reducer::begin_step(int64_t step) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!in_step_, "Reducer::begin_step: the previous step was neither finalized nor "
+              "discarded");
+  for (auto& bucket : buckets_) {
+    TORCH_INTERNAL_ASSERT(!bucket.work && bucket.pending_grads.empty());
+    bucket.fresh = true;
+    bucket.final = false;
+  }
+  next_launch_ = 0;
+  stats_work_.reset();
+  in_step_ = true;
+  last_vn_ = false;
+  step_ = step;
+}
+
+void Reducer::begin_vn(double weight, bool last) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(in_step_, "Reducer::begin_vn called outside a step");
+  TORCH_CHECK(!last_vn_, "Reducer::begin_vn called after the step's last VN");
+  weight_ = weight;
+  last_vn_ = last;
+}
+
+// See Note [First fold overwrites].
+void Reducer::fold(Bucket& bucket) {
+  if (bucket.pending_slots.empty()) {
+    return;
+  }
+  GradBuffer& buffer = *buffers_[bucket.buffer];
+  const bool complete = static_cast<int64_t>(bucket.pending_slots.size()) == bucket.num_slots();
+  if (bucket.fresh && !complete) {
+    buffer.zero_slots_(bucket.first_slot, bucket.last_slot);
+  }
+  buffer.accumulate_(bucket.pending_slots, bucket.pending_grads, weight_,
+                     bucket.fresh && complete);
+  bucket.fresh = false;
+  bucket.pending_slots.clear();
+  bucket.pending_grads.clear();
+}
+
+void Reducer::make_final(Bucket& bucket) {
+  if (bucket.fresh) {
+    buffers_[bucket.buffer]->zero_slots_(bucket.first_slot, bucket.last_slot);
+    bucket.fresh = false;
+  }
+  bucket.final = true;
+}
+
+void Reducer::add_grad(int64_t bucket_index, int64_t slot, const at::Tensor& grad) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(in_step_, "Reducer::add_grad called outside a step");
+  TORCH_CHECK(bucket_index >= 0 && bucket_index < num_buckets(), "bucket must be in [0, ",
+              num_buckets(), "), got ", bucket_index);
+  Bucket& bucket = buckets_[bucket_index];
+  TORCH_CHECK(slot >= bucket.first_slot && slot <= bucket.last_slot, "slot ", slot,
+              " is not in bucket ", bucket_index, " (slots ", bucket.first_slot, "..",
+              bucket.last_slot, ")");
+  TORCH_INTERNAL_ASSERT(!bucket.final, "gradient for bucket ", bucket_index,
+                        " arrived after the bucket was final");
+  bucket.pending_slots.push_back(slot);
+  bucket.pending_grads.push_back(grad);
+  if (static_cast<int64_t>(bucket.pending_slots.size()) == bucket.num_slots()) {
+    fold(bucket);
+    if (last_vn_) {
+      make_final(bucket);
+      launch_ready();
+    }
+  }
+}
+
+void Reducer::end_vn() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(in_step_, "Reducer::end_vn called outside a step");
+  for (auto& bucket : buckets_) {
+    fold(bucket);
+  }
+  if (last_vn_) {
+    for (auto& bucket : buckets_) {
+      if (!bucket.final) {
+        make_final(bucket);
+      }
+    }
+    launch_ready();
+    TORCH_INTERNAL_ASSERT(next_launch_ == buckets_.size());
+  }
+}
+
+void Reducer::abort_vn() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& bucket : buckets_) {
+    bucket.pending_slots.clear();
+    bucket.pending_grads.clear();
+  }
+}
+
+// See Note [Launch order]. Called with mutex_ held.
+void Reducer::launch_ready() {
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].final) {
+    Bucket& bucket = buckets_[next_launch_];
+    if (reduces()) {
+      bucket.work = launch(bucket.flat, bucket_name(next_launch_));
+    }
+    ++next_launch_;
+  }
+}
+
+void Reducer::start_stats(const at::Tensor& stats) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(in_step_, "Reducer::start_stats called outside a step");
+  TORCH_CHECK(next_launch_ == 0 && !stats_work_,
+              "Reducer::start_stats must precede every bucket's all-reduce and run once");
+  if (reduces()) {
+    stats_work_ = launch(stats, kStatsName);
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> Reducer::launch(at::Tensor tensor, const std::string& what) {
+  std::vector<at::Tensor> tensors{std::move(tensor)};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  options.timeout = timeout_;
+  try {
+    return process_group_->allreduce(tensors, options);
+  } catch (const std::exception& e) {
+    fail("starting the " + what, error_text(e));
+  }
+}
+
+void Reducer::fail(const std::string& what, const std::string& cause) const {
+  std::ostringstream out;
+  out << "vflow step " << step_ << ": " << what << " on " << description_
+      << " failed or timed out (timeout " << static_cast<double>(timeout_.count()) / 1000.0
+      << " s): " << cause;
+  throw CollectiveError(out.str());
+}
+
+void Reducer::wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
+  try {
+    work->wait(timeout_);
+  } catch (const std::exception& e) {
+    fail(what, error_text(e));
+  }
+}
+
+void Reducer::wait_stats() {
+  c10::intrusive_ptr<c10d::Work> work;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    work = stats_work_;
+  }
+  if (work) {
+    wait_for(work, kStatsName);
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_work_.reset();
+  }
+}
+
+void Reducer::finalize(double factor, const std::vector<at::Tensor>& found_nonfinite) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(in_step_ && last_vn_ && next_launch_ == buckets_.size(),
+              "Reducer::finalize must follow the end of the step's last VN");
+  TORCH_CHECK(found_nonfinite.empty() || found_nonfinite.size() == buffers_.size(),
+              "found_nonfinite must be empty or hold one flag per buffer");
+  const auto start = std::chrono::steady_clock::now();
+  for (const auto b : c10::irange(buckets_.size())) {
+    auto work = std::move(buckets_[b].work);
+    if (work) {
+      wait_for(work, bucket_name(b));
+    }
+  }
+  if (stats_work_) {
+    auto work = std::move(stats_work_);
+    wait_for(work, kStatsName);
+  }
+  last_wait_seconds_ =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (const auto b : c10::irange(buffers_.size())) {
+    if (found_nonfinite.empty()) {
+      buffers_[b]->scale_(factor);
+    } else {
+      buffers_[b]->scale_check_(factor, found_nonfinite[b]);
+    }
+  }
+  in_step_ = false;
+  last_vn_ = false;
+}
+
+void Reducer::discard() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<c10::intrusive_ptr<c10d::Work>> in_flight;
+  if (stats_work_) {
+    in_flight.push_back(std::move(stats_work_));
+  }
+  for (auto& bucket : buckets_) {
+    if (bucket.work) {
+      in_flight.push_back(std::move(bucket.work));
+    }
+    bucket.pending_slots.clear();
+    bucket.pending_grads.clear();
+  }
+  for (const auto& work : in_flight) {
+    try {
+      work->wait(timeout_);
+    } catch (const std::exception&) {
+      break;  // the group is broken; the other collectives cannot complete either
+    }
+  }
+  in_step_ = false;
+  last_vn_ = false;
+}
+
+} // namespace vflow

@@ -1,0 +1,193 @@
+// Reducer: folds one worker's VN gradients into flat buffers, bucket by bucket, and
+// all-reduces the buckets over a torch.distributed ProcessGroup while the backward of
+// the worker's last VN is still running.
+//
+// Note [Buckets]
+// Each GradBuffer's slots (reverse registration order: the order backward usually
+// produces gradients) are cut into buckets of consecutive slots: the first bucket of
+// a buffer at most `first_bucket_bytes`, the others at most `bucket_cap_bytes` (a
+// single larger parameter makes a bucket of its own). A bucket is therefore one
+// contiguous slice of its flat buffer, and that slice is what is all-reduced — no
+// copy into or out of a communication buffer. A small first bucket gets the first
+// collective going early in backward; large later buckets amortise per-collective
+// latency. Buckets are numbered buffer by buffer, slot by slot, and every rank
+// launches its collectives in that order (see Note [Launch order]).
+//
+// Note [First fold overwrites]
+// Buffers are not zeroed at the start of a step. A bucket's first fold of the step,
+// when every one of its gradients arrived, writes acc = w * g instead of adding (the
+// kernel does not read the accumulator). A first fold with some gradients missing
+// zeroes the bucket's range first, and a bucket that received nothing during the
+// whole step is zeroed before it is reduced. Overwriting gives the same bits as
+// adding to zero, so results do not depend on it.
+//
+// Note [Overlap with backward]
+// All VNs but a worker's last only fold: a bucket is folded (one fused kernel call)
+// as soon as all of its gradients arrived, and partly filled buckets are folded after
+// that VN's backward. During the last VN's backward a bucket that is complete holds
+// its final local value, so its asynchronous all-reduce (SUM) is started right away
+// and runs while autograd computes the remaining gradients. Buckets with a parameter
+// that received no gradient in the last VN become final only when backward returns;
+// they are launched then. `finalize` waits for every collective and applies the
+// global normalisation once. The VN weights already contain 1/B (mean losses), so a
+// plain sum over workers is the global-batch gradient, whatever each worker's number
+// or size of VNs.
+//
+// Note [Launch order]
+// Collectives on one process group are matched by issue order, so every rank must
+// start the same collectives in the same order even if autograd completes buckets in
+// a different order on different ranks (data-dependent graphs, parameters unused on
+// one rank). A completed bucket is launched only after all lower-numbered buckets
+// were; the step's statistics all-reduce (`start_stats`) goes before all buckets.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "grad_buffer.h"
+
+namespace vflow {
+
+// A collective of a step failed or did not finish within the timeout (a worker died,
+// hung, or the group is broken). Python sees it as vflow.CollectiveError, a
+// RuntimeError. The message names the step, the collective and the process group.
+class CollectiveError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class Reducer {
+ public:
+  // One bucket of Note [Buckets], for introspection.
+  struct BucketRange {
+    int64_t buffer;
+    int64_t first_slot;
+    int64_t last_slot;
+    int64_t offset;  // first element of the bucket's slice of the flat buffer
+    int64_t numel;   // elements in that slice, inter-slot padding included
+  };
+
+  // Builds one GradBuffer per entry of `groups` (parameters in slot order, one device
+  // each) with accumulator dtype `dtypes[i]`, and cuts them into buckets (Note
+  // [Buckets]). `process_group` may be null (one worker: nothing is reduced); a group
+  // of size 1 reduces nothing either. `timeout` bounds every wait for a collective;
+  // `description` names the group in error messages.
+  Reducer(
+      const std::vector<std::vector<at::Tensor>>& groups,
+      const std::vector<at::ScalarType>& dtypes,
+      int64_t first_bucket_bytes,
+      int64_t bucket_cap_bytes,
+      c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+      std::chrono::milliseconds timeout,
+      std::string description);
+
+  const std::vector<std::shared_ptr<GradBuffer>>& buffers() const {
+    return buffers_;
+  }
+  int64_t num_buckets() const {
+    return static_cast<int64_t>(buckets_.size());
+  }
+  // The bucket holding slot `slot` of buffer `buffer`.
+  int64_t bucket_of(int64_t buffer, int64_t slot) const;
+  std::vector<BucketRange> bucket_ranges() const;
+
+  // Starts step number `step` (used in error messages): every bucket is fresh (Note
+  // [First fold overwrites]) and nothing is in flight. Throws if the previous step
+  // was neither finalized nor discarded.
+  void begin_step(int64_t step);
+
+  // Starts a VN whose gradients are added with factor `weight`. With `last`, buckets
+  // are all-reduced as they become final (Note [Overlap with backward]).
+  void begin_vn(double weight, bool last);
+
+  // Hands over the gradient of slot `slot` of bucket `bucket` produced by the current
+  // VN's backward (at most once per slot and VN). Folds the bucket when it is
+  // complete and, in the last VN, launches every bucket that may go (Note [Launch
+  // order]). Thread-safe: autograd may call it from one thread per device.
+  void add_grad(int64_t bucket, int64_t slot, const at::Tensor& grad);
+
+  // Ends the current VN after its backward returned: folds partly filled buckets;
+  // after the last VN zeroes buckets that never received a gradient and launches
+  // every bucket not launched yet.
+  void end_vn();
+
+  // Drops gradients handed over by a VN whose backward failed.
+  void abort_vn();
+
+  // Starts an all-reduce (SUM) of `stats`, a small tensor of per-worker totals on the
+  // buffers' communication device, ahead of every bucket of this step. No-op without
+  // a process group of size > 1.
+  void start_stats(const at::Tensor& stats);
+
+  // Waits for the all-reduce started by start_stats; `stats` then holds the sums.
+  void wait_stats();
+
+  // Waits for every bucket's all-reduce, then multiplies every buffer by `factor` in
+  // one pass each; with `found_nonfinite` (0-dim float32 per device, see Note
+  // [Non-finite flag]) also records inf/NaN results. Must follow the last VN.
+  void finalize(double factor, const std::vector<at::Tensor>& found_nonfinite);
+
+  // After a failed step: waits (each wait bounded by the timeout) for collectives
+  // still in flight so that they no longer touch the buffers, ignoring their errors;
+  // stops waiting after the first failure, which means the group is broken anyway.
+  void discard();
+
+  // Host seconds the last finalize spent blocked on collectives (the all-reduce time
+  // that backward did not hide).
+  double last_wait_seconds() const {
+    return last_wait_seconds_;
+  }
+  int64_t world_size() const;
+
+ private:
+  struct Bucket {
+    int64_t buffer;
+    int64_t first_slot;
+    int64_t last_slot;
+    at::Tensor flat;  // the bucket's slice of the flat buffer
+    std::vector<int64_t> pending_slots;
+    std::vector<at::Tensor> pending_grads;
+    bool fresh = true;  // Note [First fold overwrites]
+    bool final = false;  // holds its final local value for this step
+    c10::intrusive_ptr<c10d::Work> work;
+
+    int64_t num_slots() const {
+      return last_slot - first_slot + 1;
+    }
+  };
+
+  bool reduces() const;
+  void fold(Bucket& bucket);
+  void make_final(Bucket& bucket);
+  void launch_ready();
+  c10::intrusive_ptr<c10d::Work> launch(at::Tensor tensor, const std::string& what);
+  [[noreturn]] void fail(const std::string& what, const std::string& cause) const;
+  void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what);
+  std::string bucket_name(size_t index) const;
+
+  std::vector<std::shared_ptr<GradBuffer>> buffers_;
+  std::vector<Bucket> buckets_;
+  std::vector<std::vector<int64_t>> bucket_of_slot_;  // [buffer][slot]
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
+  std::chrono::milliseconds timeout_;
+  std::string description_;
+
+  std::mutex mutex_;
+  double weight_ = 1.0;
+  bool last_vn_ = false;
+  bool in_step_ = false;
+  int64_t step_ = 0;
+  size_t next_launch_ = 0;
+  c10::intrusive_ptr<c10d::Work> stats_work_;
+  double last_wait_seconds_ = 0.0;
+};
+
+} // namespace vflow

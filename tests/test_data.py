@@ -1,0 +1,302 @@
+"""vflow.data: each worker's share of every global batch."""
+
+import itertools
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from vflow.data import VNBatchSampler
+from vflow.plan import Plan
+
+
+def samplers(n, b, plan, **kw):
+    return [VNBatchSampler(n, b, plan, rank, **kw) for rank in range(plan.num_workers)]
+
+
+def global_batches(n, b, plan, **kw):
+    """The global batches, rebuilt by concatenating every worker's part in rank order."""
+    parts = [list(s) for s in samplers(n, b, plan, **kw)]
+    assert len({len(p) for p in parts}) == 1, "every rank must yield the same number of batches"
+    return [list(itertools.chain(*batch_parts)) for batch_parts in zip(*parts)]
+
+
+@pytest.mark.parametrize(
+    ("plan", "b"),
+    [
+        (Plan(counts=[5, 3]), 8),
+        (Plan(counts=[5, 3]), 11),
+        (Plan(counts=[1, 1, 6]), 13),
+        (Plan.even(4, 4), 9),
+        (Plan(sizes=[[3, 3], [2]]), 8),
+    ],
+)
+def test_workers_together_yield_the_global_batch_in_order(plan, b):
+    n = 5 * b + 3
+    single = list(VNBatchSampler(n, b, Plan(counts=[1]), 0, seed=7))
+    assert global_batches(n, b, plan, seed=7) == single
+    assert len(single) == 5 and all(len(batch) == b for batch in single)
+    # Each worker gets exactly its VNs' slices, with no overlap between workers.
+    for rank, s in enumerate(samplers(n, b, plan, seed=7)):
+        lo, hi = plan.worker_range(rank, b)
+        assert [batch[lo:hi] for batch in single] == list(s)
+
+
+def test_sizes_plan_follows_its_vn_sizes():
+    plan = Plan(sizes=[[3, 3], [2]])
+    s0, s1 = (list(s) for s in samplers(16, 8, plan, shuffle=False))
+    assert s0 == [[0, 1, 2, 3, 4, 5], [8, 9, 10, 11, 12, 13]]
+    assert s1 == [[6, 7], [14, 15]]
+
+
+def test_vn_contents_do_not_depend_on_the_plan():
+    n, b = 100, 12
+    plans = [Plan(counts=[8]), Plan(counts=[5, 3]), Plan(counts=[1, 1, 6]), Plan.even(8, 4)]
+    per_plan = []
+    for plan in plans:
+        vn_samples = []
+        for batch in global_batches(n, b, plan, seed=3):
+            sizes = plan.vn_sizes(len(batch))
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            vn_samples.append([batch[s : s + k] for s, k in zip(starts, sizes)])
+        per_plan.append(vn_samples)
+    assert all(p == per_plan[0] for p in per_plan)
+
+
+def test_epochs_reshuffle_deterministically():
+    def epoch_order(epoch, seed=0):
+        s = VNBatchSampler(50, 5, Plan.even(5, 2), 1, seed=seed)
+        s.set_epoch(epoch)
+        assert s.epoch == epoch
+        return list(s)
+
+    assert epoch_order(0) == epoch_order(0)
+    assert epoch_order(1) == epoch_order(1)
+    assert epoch_order(0) != epoch_order(1)
+    assert epoch_order(0, seed=1) != epoch_order(0)
+    # Independent of the process-wide generator.
+    first = epoch_order(2)
+    torch.manual_seed(99)
+    torch.rand(10)
+    assert epoch_order(2) == first
+    # Each epoch is a permutation of the whole dataset.
+    full = VNBatchSampler(50, 50, Plan(counts=[1]), 0)
+    full.set_epoch(4)
+    (order,) = list(full)
+    assert sorted(order) == list(range(50)) and order != list(range(50))
+
+
+def test_iterating_twice_gives_the_same_epoch():
+    s = VNBatchSampler(40, 8, Plan(counts=[2, 2]), 0, seed=5)
+    assert list(s) == list(s)
+
+
+def test_no_shuffle_is_index_order():
+    plan = Plan(counts=[2, 1])
+    assert global_batches(10, 3, plan, shuffle=False) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert list(VNBatchSampler(10, 3, plan, 1, shuffle=False)) == [[2], [5], [8]]
+
+
+@pytest.mark.parametrize(
+    ("n", "b", "plan", "drop_last", "expected_sizes"),
+    [
+        (97, 7, Plan(counts=[2, 1]), True, [7] * 13),
+        (97, 7, Plan(counts=[2, 1]), False, [7] * 13 + [6]),
+        (97, 9, Plan(counts=[4, 3]), False, [9] * 10 + [7]),  # 7 >= V=7: kept
+        (97, 9, Plan(counts=[5, 3]), False, [9] * 10),  # 7 < V=8: dropped
+        (99, 9, Plan(counts=[5, 4]), False, [9] * 11),  # no remainder
+        (1, 1, Plan(counts=[1]), True, [1]),
+        (1, 7, Plan(counts=[1]), False, [1]),
+        (3, 7, Plan(counts=[2, 1]), False, [3]),
+        (97, 8, Plan(sizes=[[3, 3], [2]]), False, [8] * 12),  # sizes plan: always dropped
+    ],
+)
+def test_drop_last_and_len(n, b, plan, drop_last, expected_sizes):
+    sampler = VNBatchSampler(n, b, plan, 0, drop_last=drop_last)
+    assert len(sampler) == len(expected_sizes)
+    batches = global_batches(n, b, plan, drop_last=drop_last)
+    assert [len(batch) for batch in batches] == expected_sizes
+    assert [sampler.global_batch_size(i) for i in range(len(sampler))] == expected_sizes
+    flat = list(itertools.chain(*batches))
+    assert len(set(flat)) == len(flat) and set(flat) <= set(range(n))
+
+
+def test_short_last_batch_is_split_by_its_own_size():
+    plan = Plan(counts=[2, 1])
+    # 10 samples, B=7: the last global batch has 3 samples, one per VN.
+    parts = [list(s) for s in samplers(10, 7, plan, shuffle=False, drop_last=False)]
+    assert parts == [[[0, 1, 2, 3, 4], [7, 8]], [[5, 6], [9]]]
+
+
+def test_set_plan_mid_iteration_applies_to_the_next_batch():
+    s = VNBatchSampler(48, 8, Plan.even(4, 2), 0, shuffle=False)
+    it = iter(s)
+    assert next(it) == [0, 1, 2, 3]
+    s.set_plan(Plan.even(4, 4), rank=2)
+    assert (s.plan, s.rank) == (Plan.even(4, 4), 2)
+    assert next(it) == [12, 13]
+    s.set_plan(Plan(counts=[1, 3]), rank=1)
+    assert next(it) == [18, 19, 20, 21, 22, 23]
+    s.set_plan(Plan(counts=[4]), rank=0)
+    assert next(it) == [24, 25, 26, 27, 28, 29, 30, 31]
+    assert [len(batch) for batch in it] == [8, 8]
+
+
+def test_set_plan_keeps_rank_and_switches_at_batch_boundaries():
+    s = VNBatchSampler(24, 8, Plan(counts=[2, 2]), 1, shuffle=False)
+    it = iter(s)
+    assert next(it) == [4, 5, 6, 7]
+    s.set_plan(Plan(counts=[1, 3]))
+    assert s.rank == 1
+    assert next(it) == [10, 11, 12, 13, 14, 15]
+    s.set_plan(Plan(sizes=[[2, 2], [2, 2]]), rank=0)
+    assert next(it) == [16, 17, 18, 19]
+    assert next(it, None) is None
+
+
+def test_set_plan_changes_len_with_virtual_nodes():
+    s = VNBatchSampler(20, 8, Plan(counts=[2]), 0, drop_last=False)
+    assert len(s) == 3  # remainder 4 >= V=2
+    s.set_plan(Plan(counts=[3, 3]))
+    assert len(s) == 2  # remainder 4 < V=6
+
+
+def test_data_loader_yields_the_workers_rows():
+    n, b = 30, 8
+    data = torch.arange(n * 2).reshape(n, 2)
+    labels = torch.arange(n) * 10
+    dataset = TensorDataset(data, labels)
+    plan = Plan(counts=[3, 1])
+    rows = []
+    for rank in range(plan.num_workers):
+        sampler = VNBatchSampler(n, b, plan, rank, seed=11)
+        sampler.set_epoch(3)
+        loader = DataLoader(dataset, batch_sampler=sampler)
+        assert len(loader) == 3
+        got = list(loader)
+        for (x, y), idx in zip(got, sampler):
+            assert torch.equal(x, data[idx]) and torch.equal(y, labels[idx])
+        rows.append(got)
+    # Stacking both workers' parts gives each global batch, rows in the global order.
+    full = VNBatchSampler(n, b, Plan(counts=[4]), 0, seed=11)
+    full.set_epoch(3)
+    for (x0, _), (x1, _), idx in zip(*rows, full):
+        assert torch.equal(torch.cat([x0, x1]), data[idx])
+        assert len(idx) == b and x0.shape[0] == 6 and x1.shape[0] == 2
+
+
+def test_data_loader_sees_set_plan_between_batches():
+    data = torch.arange(24)
+    s = VNBatchSampler(24, 8, Plan(counts=[2, 2]), 0, shuffle=False)
+    got = []
+    for (x,) in DataLoader(TensorDataset(data), batch_sampler=s):
+        got.append(x.tolist())
+        s.set_plan(Plan(counts=[1, 3]))
+    assert got == [[0, 1, 2, 3], [8, 9], [16, 17]]
+
+
+def test_properties():
+    plan = Plan.even(4, 2)
+    s = VNBatchSampler(100, 10, plan, 1, seed=2)
+    assert (s.plan, s.rank, s.epoch, s.batch_size) == (plan, 1, 0, 10)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "match"),
+    [
+        (("10", 4, Plan(counts=[2]), 0), {}, TypeError, "dataset_size must be an int, got str"),
+        ((True, 4, Plan(counts=[2]), 0), {}, TypeError, "dataset_size must be an int, got bool"),
+        ((-1, 4, Plan(counts=[2]), 0), {}, ValueError, "dataset_size must be >= 0, got -1"),
+        ((10, 4.0, Plan(counts=[2]), 0), {}, TypeError, "batch_size must be an int, got float"),
+        ((10, 0, Plan(counts=[2]), 0), {}, ValueError, "batch_size must be >= 1, got 0"),
+        (
+            (10, 3, Plan(counts=[2, 2]), 0),
+            {},
+            ValueError,
+            "batch_size=3 is smaller than the plan's virtual_nodes=4",
+        ),
+        ((10, 4, [2, 2], 0), {}, TypeError, "plan must be a vflow.plan.Plan, got list"),
+        ((10, 4, Plan(counts=[2]), 0.0), {}, TypeError, "rank must be an int, got float"),
+        (
+            (10, 4, Plan(counts=[1, 1]), 2),
+            {},
+            ValueError,
+            r"rank must be in \[0, 2\) for Plan\(counts=\[1, 1\]\) \(2 workers\), got 2",
+        ),
+        ((10, 4, Plan(counts=[1, 1]), -1), {}, ValueError, r"rank must be in \[0, 2\)"),
+        (
+            (20, 9, Plan(sizes=[[3, 3], [2]]), 0),
+            {},
+            ValueError,
+            r"batch_size=9 but Plan\(sizes=\[\[3, 3\], \[2\]\]\) has VN sizes summing to 8",
+        ),
+        ((10, 4, Plan(counts=[2]), 0), {"seed": 1.5}, TypeError, "seed must be an int"),
+        ((10, 4, Plan(counts=[2]), 0), {"shuffle": 1}, TypeError, "shuffle must be a bool"),
+        ((10, 4, Plan(counts=[2]), 0), {"drop_last": None}, TypeError, "drop_last must be a bool"),
+        (
+            (3, 4, Plan(counts=[2]), 0),
+            {},
+            ValueError,
+            "dataset_size=3 is smaller than batch_size=4 and with drop_last=True an "
+            "incomplete global batch is dropped, so an epoch would yield no batch",
+        ),
+        (
+            (0, 4, Plan(counts=[2]), 0),
+            {"drop_last": False},
+            ValueError,
+            "dataset_size=0 is smaller than batch_size=4 and with drop_last=False",
+        ),
+        (
+            (1, 4, Plan(counts=[1, 1]), 0),
+            {"drop_last": False},
+            ValueError,
+            r"kept only if it has at least virtual_nodes=2 samples \(one per virtual node\)",
+        ),
+        (
+            (7, 8, Plan(sizes=[[3, 3], [2]]), 0),
+            {"drop_last": False},
+            ValueError,
+            "a sizes plan fixes the global batch size, so an incomplete global batch is "
+            "dropped even with drop_last=False",
+        ),
+    ],
+)
+def test_constructor_errors(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        VNBatchSampler(*args, **kwargs)
+
+
+def test_set_plan_errors_leave_the_sampler_unchanged():
+    plan = Plan(counts=[2, 2])
+    s = VNBatchSampler(20, 8, plan, 1, drop_last=False)
+    before = list(s)
+    bad = [
+        ((Plan(counts=[1]),), ValueError, r"rank must be in \[0, 1\) .* got 1"),
+        ((Plan(counts=[1, 1]), 2), ValueError, r"rank must be in \[0, 2\)"),
+        ((Plan(counts=[1, 1]), "0"), TypeError, "rank must be an int, got str"),
+        ((Plan(counts=[5, 4]),), ValueError, "batch_size=8 is smaller than the plan's"),
+        ((Plan(sizes=[[4], [3]]),), ValueError, "a sizes plan fixes the global batch size"),
+        (("counts=[2, 2]",), TypeError, "plan must be a vflow.plan.Plan, got str"),
+    ]
+    for args, error, match in bad:
+        with pytest.raises(error, match=match):
+            s.set_plan(*args)
+        assert (s.plan, s.rank) == (plan, 1)
+    assert list(s) == before
+    small = VNBatchSampler(5, 8, Plan(counts=[2]), 0, drop_last=False)
+    with pytest.raises(ValueError, match="virtual_nodes=6 samples"):
+        small.set_plan(Plan(counts=[3, 3]))
+    assert small.plan == Plan(counts=[2]) and len(small) == 1
+
+
+def test_set_epoch_and_global_batch_size_errors():
+    s = VNBatchSampler(20, 8, Plan(counts=[2]), 0)
+    with pytest.raises(TypeError, match="epoch must be an int, got float"):
+        s.set_epoch(1.0)
+    with pytest.raises(ValueError, match="epoch must be >= 0, got -1"):
+        s.set_epoch(-1)
+    assert s.epoch == 0
+    with pytest.raises(ValueError, match=r"index must be < 2 \(batches per epoch\), got 2"):
+        s.global_batch_size(2)
+    with pytest.raises(TypeError, match="index must be an int"):
+        s.global_batch_size("0")

@@ -1,0 +1,229 @@
+"""``VNBatchSampler``: each worker loads only the samples of its own virtual nodes.
+
+A plan (``vflow.plan.Plan``) gives every worker a contiguous run of VNs, hence one
+contiguous range of each global batch. This sampler yields, for every global batch,
+exactly that range of sample indices, so no worker reads, decodes or transfers samples
+another worker will process, and the ranges of all workers put together are the global
+batch, in order.
+
+The global order of an epoch depends only on ``(seed, epoch)`` — a permutation drawn
+from a generator seeded with ``vflow.rng.vn_seed`` — never on the number of workers or
+on the rank. Because a counts plan splits a batch by ``split_sizes(B, V)`` alone, the
+same sample lands in the same VN under every counts plan with the same V: resizing a
+job (``set_plan``) changes which worker computes a VN, not what the VN contains.
+
+Usage, one process per worker::
+
+    sampler = VNBatchSampler(len(dataset), B, plan, rank, seed=0)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for local_batch in loader:  # this worker's VNs' samples, in VN order
+            ex.step(local_batch, global_batch_size=B)
+
+``Executor.step`` accepts either the whole global batch or, as here, the worker's part
+with ``global_batch_size=B``. With ``drop_last=False`` the last global batch may be
+shorter than B; pass ``global_batch_size=sampler.global_batch_size(i)`` for batch ``i``
+of the epoch instead.
+
+Short last batch: with ``drop_last=True`` an incomplete final global batch is dropped.
+With ``drop_last=False`` it is kept if it has at least V samples (one per VN) under a
+counts plan; a sizes plan fixes B and every VN's size, so under a sizes plan a short
+last batch is always dropped. An epoch that would yield no global batch at all is a
+configuration error and raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+from vflow.plan import Plan
+from vflow.rng import vn_seed
+
+# The stream argument of vn_seed: keeps the data order independent of the dropout
+# streams (0, 1) even when the Executor and the sampler share a seed. ASCII "data".
+_DATA_STREAM = 0x64617461
+
+
+def _check_int(name: str, value: object, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _check_plan(plan: object, rank: object, batch_size: int) -> tuple[Plan, int]:
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a vflow.plan.Plan, got {type(plan).__name__}")
+    rank = _check_int("rank", rank)
+    if not 0 <= rank < plan.num_workers:
+        raise ValueError(
+            f"rank must be in [0, {plan.num_workers}) for {plan!r} "
+            f"({plan.num_workers} workers), got {rank}"
+        )
+    if plan.batch_size is not None and plan.batch_size != batch_size:
+        raise ValueError(
+            f"batch_size={batch_size} but {plan!r} has VN sizes summing to "
+            f"{plan.batch_size}; a sizes plan fixes the global batch size"
+        )
+    if batch_size < plan.virtual_nodes:
+        raise ValueError(
+            f"batch_size={batch_size} is smaller than the plan's virtual_nodes="
+            f"{plan.virtual_nodes}: every virtual node needs at least one sample"
+        )
+    return plan, rank
+
+
+def _keeps_short(plan: Plan, size: int, drop_last: bool) -> bool:
+    """Whether a final global batch of ``size`` < B samples is yielded."""
+    return size > 0 and not drop_last and plan.batch_size is None and size >= plan.virtual_nodes
+
+
+def _check_nonempty(dataset_size: int, batch_size: int, plan: Plan, drop_last: bool) -> None:
+    if dataset_size >= batch_size or _keeps_short(plan, dataset_size, drop_last):
+        return
+    if drop_last:
+        why = "with drop_last=True an incomplete global batch is dropped"
+    elif plan.batch_size is not None:
+        why = (
+            "a sizes plan fixes the global batch size, so an incomplete global batch is "
+            "dropped even with drop_last=False"
+        )
+    else:
+        why = (
+            "with drop_last=False an incomplete global batch is kept only if it has at "
+            f"least virtual_nodes={plan.virtual_nodes} samples (one per virtual node)"
+        )
+    raise ValueError(
+        f"dataset_size={dataset_size} is smaller than batch_size={batch_size} and {why}, "
+        "so an epoch would yield no batch"
+    )
+
+
+class VNBatchSampler(Sampler[list[int]]):
+    """Yields one worker's sample indices of every global batch of an epoch.
+
+    Args:
+        dataset_size: number of samples in the dataset (indices ``0 .. dataset_size-1``).
+        batch_size: B, the samples of one global batch (over all workers). Must equal
+            ``plan.batch_size`` for a sizes plan and be >= ``plan.virtual_nodes``.
+        plan: which VNs each worker runs.
+        rank: this worker, in ``[0, plan.num_workers)``.
+        seed: with ``epoch`` (see ``set_epoch``), fixes the global order.
+        shuffle: permute the dataset every epoch; otherwise use index order.
+        drop_last: drop an incomplete final global batch. If False it is kept when it
+            has at least V samples, under a counts plan only (see the module docstring).
+
+    Global batch b of an epoch is ``order[b*B:(b+1)*B]``; this worker gets
+    ``global_batch[start:stop]`` with
+    ``(start, stop) = plan.worker_range(rank, len(global_batch))``, i.e. its VNs'
+    slices in VN order.
+    """
+
+    def __init__(
+        self,
+        dataset_size: int,
+        batch_size: int,
+        plan: Plan,
+        rank: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = True,
+    ) -> None:
+        dataset_size = _check_int("dataset_size", dataset_size, minimum=0)
+        batch_size = _check_int("batch_size", batch_size, minimum=1)
+        seed = _check_int("seed", seed)
+        shuffle = _check_bool("shuffle", shuffle)
+        drop_last = _check_bool("drop_last", drop_last)
+        plan, rank = _check_plan(plan, rank, batch_size)
+        _check_nonempty(dataset_size, batch_size, plan, drop_last)
+        self._dataset_size = dataset_size
+        self._batch_size = batch_size
+        self._seed = seed
+        self._shuffle = shuffle
+        self._drop_last = drop_last
+        self._plan = plan
+        self._rank = rank
+        self._epoch = 0
+
+    # ---- state -------------------------------------------------------------------
+
+    @property
+    def plan(self) -> Plan:
+        return self._plan
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def batch_size(self) -> int:
+        """B, the size of a (complete) global batch over all workers."""
+        return self._batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Selects the epoch's global order. Applies to the next ``iter()``; an iteration
+        already running keeps the order it started with."""
+        self._epoch = _check_int("epoch", epoch, minimum=0)
+
+    def set_plan(self, plan: Plan, rank: int | None = None) -> None:
+        """Replaces the plan (and, if given, the rank; otherwise the rank is kept).
+
+        The plan is read at the start of every global batch, so a running iteration
+        switches from its next global batch on; the global order is unchanged. A
+        ``DataLoader`` draws indices ahead of the batches it returns (always with
+        ``num_workers > 0``): batches it has already drawn keep the old plan.
+        """
+        plan, new_rank = _check_plan(plan, self._rank if rank is None else rank, self._batch_size)
+        _check_nonempty(self._dataset_size, self._batch_size, plan, self._drop_last)
+        self._plan, self._rank = plan, new_rank
+
+    # ---- iteration -----------------------------------------------------------------
+
+    def _order(self) -> torch.Tensor:
+        if not self._shuffle:
+            return torch.arange(self._dataset_size)
+        gen = torch.Generator()
+        gen.manual_seed(vn_seed(self._seed, self._epoch, 0, stream=_DATA_STREAM))
+        return torch.randperm(self._dataset_size, generator=gen)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self._order()
+        size_b = self._batch_size
+        for start in range(0, self._dataset_size, size_b):
+            # Read once per global batch: a set_plan between two batches takes effect at
+            # the next one, and plan and rank always come from the same set_plan call.
+            plan, rank = self._plan, self._rank
+            size = min(size_b, self._dataset_size - start)
+            if size < size_b and not _keeps_short(plan, size, self._drop_last):
+                return
+            lo, hi = plan.worker_range(rank, size)
+            yield order[start + lo : start + hi].tolist()
+
+    def __len__(self) -> int:
+        """Global batches per epoch under the current plan (the same for every rank)."""
+        full, rest = divmod(self._dataset_size, self._batch_size)
+        return full + (rest > 0 and _keeps_short(self._plan, rest, self._drop_last))
+
+    def global_batch_size(self, index: int) -> int:
+        """Samples in global batch ``index`` of an epoch, over all workers: B, except for
+        a kept incomplete last batch (``drop_last=False``)."""
+        index = _check_int("index", index, minimum=0)
+        if index >= len(self):
+            raise ValueError(f"index must be < {len(self)} (batches per epoch), got {index}")
+        return min(self._batch_size, self._dataset_size - index * self._batch_size)

@@ -1,0 +1,188 @@
+"""The Executor's side of torch.distributed: which group, which rank, and the few
+collectives that are not gradient buckets (those live in the C++ Reducer,
+csrc/reducer.h).
+
+Every collective here is issued by every rank at the same point of a step, so the
+issue order on the process group — which is how collectives are matched — is the
+same on all ranks (Note [Launch order] in csrc/reducer.h). Each wait is bounded by
+the Executor's timeout and a failure raises ``CollectiveError`` naming the step, the
+collective and the group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from vflow._extension import _C
+from vflow.plan import Plan
+
+CollectiveError = _C.CollectiveError
+
+
+def resolve_group(process_group: object) -> dist.ProcessGroup | None:
+    """The group an Executor runs on: the one given, else the default group when
+    torch.distributed is initialised, else None (one process)."""
+    if process_group is None:
+        if dist.is_available() and dist.is_initialized():
+            return dist.distributed_c10d._get_default_group()
+        return None
+    if not dist.is_available() or not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            "process_group must be a torch.distributed.ProcessGroup (e.g. dist.group.WORLD "
+            f"or dist.new_group(...)) or None, got {type(process_group).__name__}"
+        )
+    return process_group
+
+
+def describe(group: dist.ProcessGroup) -> str:
+    name = getattr(group, "group_name", "") or "default"
+    return (
+        f"process group {name!r} (backend {dist.get_backend(group)}, rank {group.rank()} "
+        f"of {group.size()})"
+    )
+
+
+def comm_device(group: dist.ProcessGroup) -> torch.device:
+    """Where small control tensors must live for ``group``'s backend."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def to_timedelta(timeout: object) -> datetime.timedelta:
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(
+            f"timeout must be a number of seconds or a datetime.timedelta, got "
+            f"{type(timeout).__name__}"
+        )
+    if not seconds > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {seconds}")
+    return datetime.timedelta(seconds=seconds)
+
+
+def check_plan(plan: object, virtual_nodes: int, world_size: int) -> Plan:
+    """Validates ``plan`` against the Executor's V and its group's size (no collective)."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a vflow.Plan or None, got {type(plan).__name__}")
+    if plan.virtual_nodes != virtual_nodes:
+        raise ValueError(
+            f"plan {plan} has {plan.virtual_nodes} virtual nodes but virtual_nodes="
+            f"{virtual_nodes}; the plan must map exactly the Executor's V VNs"
+        )
+    if plan.num_workers != world_size:
+        raise ValueError(
+            f"plan {plan} is for {plan.num_workers} workers but the process group has "
+            f"{world_size}; give one entry per rank"
+        )
+    return plan
+
+
+def default_plan(virtual_nodes: int, world_size: int) -> Plan:
+    if world_size > virtual_nodes:
+        raise ValueError(
+            f"virtual_nodes={virtual_nodes} is smaller than the process group's {world_size} "
+            "workers; every worker needs at least one virtual node"
+        )
+    return Plan.even(virtual_nodes, world_size)
+
+
+class Collectives:
+    """The Executor's non-bucket collectives on one group."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout: datetime.timedelta) -> None:
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+        self.timeout = timeout
+        self.device = comm_device(group)
+        self.description = describe(group)
+        self._root = dist.get_global_rank(group, 0)
+
+    def _wait(self, work: dist.Work, what: str, step: int | None) -> None:
+        where = "vflow" if step is None else f"vflow step {step}"
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise CollectiveError(
+                f"{where}: {what} on {self.description} failed or timed out (timeout "
+                f"{self.timeout.total_seconds():g} s): {e}"
+            ) from e
+
+    def check_agreement(self, what: Sequence[tuple[str, str, str]]) -> None:
+        """Raises on every rank unless all ranks hold the same values.
+
+        ``what``: (name, full text of the value, how to show it in the error).
+        """
+        mine = torch.tensor([_fingerprint(text) for _, text, _ in what], dtype=torch.int64)
+        gathered = [torch.empty_like(mine, device=self.device) for _ in range(self.size)]
+        work = dist.all_gather(gathered, mine.to(self.device), group=self.group, async_op=True)
+        self._wait(work, "checking that all ranks agree on the plan and the model", None)
+        table = torch.stack([t.cpu() for t in gathered])
+        for column, (name, _, shown) in enumerate(what):
+            differ = (table[:, column] != table[self.rank, column]).nonzero().flatten().tolist()
+            if differ:
+                raise ValueError(
+                    f"ranks disagree on the {name}: rank(s) {differ} of {self.description} "
+                    f"differ from this rank, which has {shown}; every rank must construct the "
+                    "Executor (and call set_plan) with the same value"
+                )
+
+    @torch.no_grad()
+    def broadcast_from_first(self, tensors: Sequence[torch.Tensor], what: str, step: int | None):
+        """Copies rank 0's values into ``tensors`` on every rank, one collective per
+        dtype and device."""
+        for members in _by_kind(tensors).values():
+            flat = torch.cat([t.detach().reshape(-1) for t in members]).to(self.device)
+            work = dist.broadcast(flat, src=self._root, group=self.group, async_op=True)
+            self._wait(work, what, step)
+            _scatter_back(flat, members)
+
+    @torch.no_grad()
+    def sum(self, tensors: Sequence[torch.Tensor], what: str, step: int | None) -> None:
+        """In place: each tensor becomes its sum over the ranks."""
+        for members in _by_kind(tensors).values():
+            flat = torch.cat([t.reshape(-1) for t in members]).to(self.device)
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            self._wait(work, what, step)
+            _scatter_back(flat, members)
+
+    def gather_rows(self, local: torch.Tensor, counts: Sequence[int], step: int) -> torch.Tensor:
+        """Concatenates every rank's ``local`` rows in rank order; rank r has
+        ``counts[r]`` rows (all_gather needs equal shapes, so rows are padded)."""
+        rows = max(counts)
+        padded = local.new_zeros((rows, *local.shape[1:]), device=self.device)
+        padded[: local.shape[0]] = local.to(self.device)
+        gathered = [torch.empty_like(padded) for _ in range(self.size)]
+        work = dist.all_gather(gathered, padded, group=self.group, async_op=True)
+        self._wait(work, "all-gather of inference outputs", step)
+        parts = [part[:n] for part, n in zip(gathered, counts, strict=True)]
+        return torch.cat(parts).to(local.device)
+
+
+def _fingerprint(text: str) -> int:
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # fits an int64
+
+
+def _by_kind(tensors: Sequence[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    kinds: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        kinds.setdefault((t.dtype, t.device), []).append(t)
+    return kinds
+
+
+def _scatter_back(flat: torch.Tensor, members: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for t in members:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view(t.shape))
+        offset += n
