@@ -9,7 +9,6 @@ the cost.
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from collections.abc import Callable
