@@ -35,14 +35,15 @@ test: $(BUILD_STAMP)
 bench: $(BUILD_STAMP)
 	$(PY) benchmarks/accumulate.py $(ARGS)
 	$(PY) benchmarks/step.py $(ARGS)
+	$(PY) benchmarks/distributed.py $(ARGS)
 
 lint: $(DEPS_STAMP)
-	$(VENV)/bin/ruff check vflow tests benchmarks setup.py
-	$(VENV)/bin/ruff format --check vflow tests benchmarks setup.py
+	$(VENV)/bin/ruff check vflow tests benchmarks examples setup.py
+	$(VENV)/bin/ruff format --check vflow tests benchmarks examples setup.py
 
 format: $(DEPS_STAMP)
-	$(VENV)/bin/ruff format vflow tests benchmarks setup.py
-	$(VENV)/bin/ruff check --fix vflow tests benchmarks setup.py
+	$(VENV)/bin/ruff format vflow tests benchmarks examples setup.py
+	$(VENV)/bin/ruff check --fix vflow tests benchmarks examples setup.py
 
 clean:
 	rm -rf build *.egg-info vflow/_C*.so $(BUILD_STAMP)

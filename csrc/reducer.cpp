@@ -72,6 +72,7 @@ Reducer::Reducer(
     }
     close_bucket(static_cast<int64_t>(numels.size()) - 1);
     bucket_of_slot_.push_back(std::move(owner));
+    written_.emplace_back(numels.size(), 0);
     buffers_.push_back(std::move(buffer));
   }
 }
@@ -120,8 +121,10 @@ void Reducer::begin_step(int64_t step) {
               "discarded");
   for (auto& bucket : buckets_) {
     TORCH_INTERNAL_ASSERT(!bucket.work && bucket.pending_grads.empty());
-    bucket.fresh = true;
     bucket.final = false;
+  }
+  for (auto& flags : written_) {
+    std::fill(flags.begin(), flags.end(), 0);
   }
   next_launch_ = 0;
   stats_work_.reset();
@@ -136,29 +139,61 @@ void Reducer::begin_vn(double weight, bool last) {
   TORCH_CHECK(!last_vn_, "Reducer::begin_vn called after the step's last VN");
   weight_ = weight;
   last_vn_ = last;
+  for (auto& bucket : buckets_) {
+    bucket.arrived = 0;
+  }
 }
 
-// See Note [First fold overwrites].
+// See Note [First fold overwrites]: slots seen for the first time in this step are
+// overwritten, the others added to, in at most two fused calls.
 void Reducer::fold(Bucket& bucket) {
   if (bucket.pending_slots.empty()) {
     return;
   }
   GradBuffer& buffer = *buffers_[bucket.buffer];
-  const bool complete = static_cast<int64_t>(bucket.pending_slots.size()) == bucket.num_slots();
-  if (bucket.fresh && !complete) {
-    buffer.zero_slots_(bucket.first_slot, bucket.last_slot);
+  auto& written = written_[bucket.buffer];
+  std::vector<int64_t> first_slots;
+  std::vector<at::Tensor> first_grads;
+  std::vector<int64_t> later_slots;
+  std::vector<at::Tensor> later_grads;
+  for (const auto k : c10::irange(bucket.pending_slots.size())) {
+    const int64_t slot = bucket.pending_slots[k];
+    if (written[slot]) {
+      later_slots.push_back(slot);
+      later_grads.push_back(std::move(bucket.pending_grads[k]));
+    } else {
+      first_slots.push_back(slot);
+      first_grads.push_back(std::move(bucket.pending_grads[k]));
+      written[slot] = 1;
+    }
   }
-  buffer.accumulate_(bucket.pending_slots, bucket.pending_grads, weight_,
-                     bucket.fresh && complete);
-  bucket.fresh = false;
   bucket.pending_slots.clear();
   bucket.pending_grads.clear();
+  bucket.pending_bytes = 0;
+  if (!first_slots.empty()) {
+    buffer.accumulate_(first_slots, first_grads, weight_, /*overwrite=*/true);
+  }
+  if (!later_slots.empty()) {
+    buffer.accumulate_(later_slots, later_grads, weight_, /*overwrite=*/false);
+  }
 }
 
+// Zeroes the runs of slots that received nothing in this step, so the bucket holds
+// this worker's final sum.
 void Reducer::make_final(Bucket& bucket) {
-  if (bucket.fresh) {
-    buffers_[bucket.buffer]->zero_slots_(bucket.first_slot, bucket.last_slot);
-    bucket.fresh = false;
+  auto& written = written_[bucket.buffer];
+  int64_t slot = bucket.first_slot;
+  while (slot <= bucket.last_slot) {
+    if (written[slot]) {
+      ++slot;
+      continue;
+    }
+    const int64_t run_start = slot;
+    while (slot <= bucket.last_slot && !written[slot]) {
+      written[slot] = 1;
+      ++slot;
+    }
+    buffers_[bucket.buffer]->zero_slots_(run_start, slot - 1);
   }
   bucket.final = true;
 }
@@ -176,12 +211,14 @@ void Reducer::add_grad(int64_t bucket_index, int64_t slot, const at::Tensor& gra
                         " arrived after the bucket was final");
   bucket.pending_slots.push_back(slot);
   bucket.pending_grads.push_back(grad);
-  if (static_cast<int64_t>(bucket.pending_slots.size()) == bucket.num_slots()) {
+  bucket.pending_bytes += static_cast<int64_t>(grad.nbytes());
+  const bool complete = ++bucket.arrived == bucket.num_slots();
+  if (complete || bucket.pending_bytes >= kFoldBytes) {
     fold(bucket);
-    if (last_vn_) {
-      make_final(bucket);
-      launch_ready();
-    }
+  }
+  if (complete && last_vn_) {
+    make_final(bucket);
+    launch_ready();
   }
 }
 
@@ -207,6 +244,7 @@ void Reducer::abort_vn() {
   for (auto& bucket : buckets_) {
     bucket.pending_slots.clear();
     bucket.pending_grads.clear();
+    bucket.pending_bytes = 0;
   }
 }
 
@@ -314,6 +352,7 @@ void Reducer::discard() {
     }
     bucket.pending_slots.clear();
     bucket.pending_grads.clear();
+    bucket.pending_bytes = 0;
   }
   for (const auto& work : in_flight) {
     try {

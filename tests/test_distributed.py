@@ -317,6 +317,7 @@ def _bad_construction(rank: int, world_size: int) -> dict:
         "too_few_vns": {"virtual_nodes": 1},
         "disagree": {"plan": vflow.Plan(counts=[5, 3]) if rank == 0 else vflow.Plan(counts=[4, 4])},
         "group": {"process_group": "world"},
+        "seed": {"seed": rank},
     }
     for name, kwargs in cases.items():
         args = {"virtual_nodes": 8, "process_group": group, **kwargs}
@@ -324,6 +325,11 @@ def _bad_construction(rank: int, world_size: int) -> dict:
             vflow.Executor(model, opt, models.mean_ce, timeout=30, **args)
         except (TypeError, ValueError) as e:
             errors[name] = f"{type(e).__name__}: {e}"
+    other = models.mlp() if rank == 0 else models.TokenModel()
+    try:
+        vflow.Executor(other, torch.optim.SGD(other.parameters(), lr=0.1), models.mean_ce, 8)
+    except ValueError as e:
+        errors["layout"] = str(e)
     unchanged = all(torch.equal(a, b) for a, b in zip(before, _state(model)))
 
     ex = vflow.Executor(model, opt, models.mean_ce, 8, timeout=30)
@@ -358,7 +364,16 @@ def test_bad_plans_and_mismatched_ranks_raise_clear_errors():
     results = run_ranks(2, _bad_construction, timeout=120)
     for r in results:
         errors = r.value["errors"]
-        assert set(errors) == {"workers", "vns", "type", "too_few_vns", "disagree", "group"}
+        assert set(errors) == {
+            "workers",
+            "vns",
+            "type",
+            "too_few_vns",
+            "disagree",
+            "group",
+            "seed",
+            "layout",
+        }
         assert "is for 1 workers but the process group has 2" in errors["workers"]
         assert "has 4 virtual nodes but virtual_nodes=8" in errors["vns"]
         assert errors["type"].startswith("TypeError: plan must be a vflow.Plan")
@@ -367,6 +382,8 @@ def test_bad_plans_and_mismatched_ranks_raise_clear_errors():
         )
         assert "ranks disagree on the plan" in errors["disagree"]
         assert errors["group"].startswith("TypeError: process_group must be a")
+        assert "ranks disagree on the settings" in errors["seed"]
+        assert "ranks disagree on the model layout" in errors["layout"]
         assert r.value["unchanged"]
         plan_errors = r.value["plan_errors"]
         assert "is for 1 workers" in plan_errors["set_workers"]

@@ -319,3 +319,34 @@ def test_float64_accumulation_for_float32_parameters():
     _, grads = _run_step(model, models.mean_ce, batch, 8, accumulate_dtype=torch.float64)
     assert all(g.dtype == torch.float32 for g in grads)  # handed to the optimizer as float32
     assert max_relative_error(grads, want) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    ("plan", "b"), [(vflow.Plan(sizes=[[20, 4, 9, 4]]), 37), (vflow.Plan(counts=[5]), 37)]
+)
+def test_plan_on_one_worker_gives_the_global_batch_gradient(plan, b):
+    """VirtualFlow's heterogeneous split: VNs of very different sizes are weighted by
+    their item counts, so the gradient is still the global-batch gradient."""
+    model = models.mlp()
+    batch = models.classification_data(b)
+    want = models.float64_grads(model, models.mean_ce, batch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with vflow.Executor(model, opt, models.mean_ce, plan.virtual_nodes, plan=plan) as ex:
+        result = ex.step(batch)
+        assert max_relative_error([p.grad for p in model.parameters()], want) < 1e-5
+        assert ex.world_size == 1 and ex.rank == 0 and ex.plan == plan
+    assert result.num_items == b
+
+
+def test_step_accepts_this_workers_samples_with_global_batch_size():
+    model = models.mlp()
+    twin = copy.deepcopy(model)
+    batch = models.classification_data(24)
+    grads = []
+    for m, kwargs in ((model, {}), (twin, {"global_batch_size": 24})):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        with vflow.Executor(m, opt, models.mean_ce, 4) as ex:
+            ex.step(batch, **kwargs)
+            grads.append([p.grad.clone() for p in m.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

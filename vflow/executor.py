@@ -192,6 +192,10 @@ class Executor:
         if plan is None:
             plan = distributed.default_plan(self.virtual_nodes, world_size)
         plan = distributed.check_plan(plan, self.virtual_nodes, world_size)
+        if not isinstance(broadcast_parameters, bool):
+            raise TypeError(
+                f"broadcast_parameters must be a bool, got {type(broadcast_parameters).__name__}"
+            )
         if not (loss_scale is None or isinstance(loss_scale, (bool, LossScaler))):
             raise TypeError(
                 f"loss_scale must be None, a bool or a vflow.LossScaler, got "
@@ -211,16 +215,33 @@ class Executor:
                 (
                     [(tuple(p.shape), str(p.dtype)) for p in params],
                     [(name, tuple(b.shape), str(b.dtype)) for name, b in model.named_buffers()],
+                )
+            )
+            # Settings that change the gradient or the collectives issued: ranks that
+            # differ in any of them would diverge or hang.
+            settings = repr(
+                (
+                    self.seed,
+                    amp,
                     str(accumulate_dtype),
+                    buffer_rule,
+                    max_grad_norm,
                     bucket_cap_bytes,
                     first_bucket_bytes,
-                    buffer_rule,
+                    loss_scale if isinstance(loss_scale, (bool, type(None))) else "scaler",
+                    skip_nonfinite,
                 )
             )
             self._collectives.check_agreement(
                 [
                     ("plan", repr(plan), repr(plan)),
-                    ("model layout", layout, "this rank's parameters, buffers and buckets"),
+                    ("model layout", layout, "this rank's parameter and buffer shapes/dtypes"),
+                    (
+                        "settings",
+                        settings,
+                        f"(seed, amp, accumulate_dtype, buffer_rule, "
+                        f"max_grad_norm, bucket caps, loss_scale, skip_nonfinite) = {settings}",
+                    ),
                 ]
             )
             if broadcast_parameters:

@@ -4,10 +4,11 @@ Note [Capturing gradients]
 While a VN's backward runs, every managed parameter has ``grad = None``. Autograd then
 hands each fresh gradient to the parameter (a steal, no copy) and calls our
 post-accumulate hook, which takes it away again and gives it to the C++ Reducer
-(csrc/reducer.h). The Reducer folds a bucket into the flat buffer with one fused
-``acc += w * g`` call as soon as all its gradients arrived, so a VN never holds more
-than one bucket of gradients beyond the buffer itself, and during the worker's last VN
-it starts the bucket's all-reduce right away (Note [Overlap with backward]). Gradients
+(csrc/reducer.h). The Reducer folds waiting gradients into the flat buffer with one
+fused ``acc += w * g`` call once they add up to about 1 MB (Note [Fold granularity]),
+so a VN holds little more than the buffer itself, and during the worker's last VN it
+starts a bucket's all-reduce as soon as the bucket is complete (Note [Overlap with
+backward]). Gradients
 that never arrive (an unused parameter) count as zero. After the step,
 ``param.grad`` is pointed at the buffer (Note [Flat buffer layout] in
 csrc/grad_buffer.h).
