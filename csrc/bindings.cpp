@@ -102,5 +102,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("finalize", &Reducer::finalize, py::arg("factor"), py::arg("found_nonfinite"),
            py::call_guard<py::gil_scoped_release>())
       .def("discard", &Reducer::discard, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("last_wait_seconds", &Reducer::last_wait_seconds);
+      .def_property_readonly("last_wait_seconds", &Reducer::last_wait_seconds)
+      .def_property_readonly("early_launches", &Reducer::early_launches);
 }

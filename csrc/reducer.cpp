@@ -127,6 +127,7 @@ void Reducer::begin_step(int64_t step) {
     std::fill(flags.begin(), flags.end(), 0);
   }
   next_launch_ = 0;
+  early_launches_ = 0;
   stats_work_.reset();
   in_step_ = true;
   last_vn_ = false;
@@ -229,6 +230,7 @@ void Reducer::end_vn() {
     fold(bucket);
   }
   if (last_vn_) {
+    early_launches_ = static_cast<int64_t>(next_launch_);
     for (auto& bucket : buckets_) {
       if (!bucket.final) {
         make_final(bucket);

@@ -159,6 +159,12 @@ class Reducer {
   double last_wait_seconds() const {
     return last_wait_seconds_;
   }
+  // Buckets of the last step whose all-reduce was started (without a process group:
+  // that were final) while the last VN's backward was still running (Note [Overlap
+  // with backward]); the others started after backward returned.
+  int64_t early_launches() const {
+    return early_launches_;
+  }
   int64_t world_size() const;
 
  private:
@@ -205,6 +211,7 @@ class Reducer {
   size_t next_launch_ = 0;
   c10::intrusive_ptr<c10d::Work> stats_work_;
   double last_wait_seconds_ = 0.0;
+  int64_t early_launches_ = 0;
 };
 
 } // namespace vflow

@@ -178,7 +178,9 @@ def _train(scenario: Scenario, plan: vflow.Plan, process_group=None) -> dict:
         if scenario.infer:
             model.eval()
             outputs = ex.infer(scenario.batches[0][0])
-    return {"state": _state(model), "losses": losses, "outputs": outputs}
+        reducer = ex._grads.reducer
+        overlap = (reducer.early_launches, reducer.num_buckets)
+    return {"state": _state(model), "losses": losses, "outputs": outputs, "overlap": overlap}
 
 
 def _run_scenarios(rank: int, world_size: int, names: list[str]) -> dict:
@@ -208,6 +210,12 @@ def test_workers_match_single_process(world_size, single_results):
                 assert items == want_items, name
             if want["outputs"] is not None:
                 torch.testing.assert_close(got["outputs"], want["outputs"], rtol=1e-5, atol=1e-6)
+        if name == "uneven_counts_mean":
+            # Every parameter is used, so every bucket completes, and its all-reduce
+            # starts, while the last VN's backward is still running.
+            for r in results:
+                early, buckets = r.value[name]["overlap"]
+                assert early == buckets > 1, (r.rank, early, buckets)
         # Every rank holds the same parameters bit for bit: they stepped on the same
         # reduced gradient.
         for r in results[1:]:

@@ -55,6 +55,7 @@ def test_folds_weighted_gradients_and_treats_missing_ones_as_zero():
     reducer.add_grad(reducer.bucket_of(0, 1), 1, g[1])  # slots 0 and 2 unused in this VN
     reducer.end_vn()
     reducer.finalize(2.0, [])
+    assert reducer.early_launches == 0  # the last VN left slots 0 and 2 empty: one bucket
     views = reducer.buffers[0].views()
     torch.testing.assert_close(views[0], g[0])
     torch.testing.assert_close(views[1], 2.0 * (0.5 + 0.25) * g[1])
@@ -68,6 +69,9 @@ def test_a_bucket_without_any_gradient_in_the_step_is_zero():
     reducer.begin_vn(1.0, True)
     reducer.add_grad(reducer.bucket_of(0, 1), 1, torch.ones(5))
     reducer.end_vn()
+    # Slot 1's bucket completed during "backward" but may only start after bucket 0,
+    # which became final when backward returned (Note [Launch order]).
+    assert reducer.early_launches == 0
     flag = torch.zeros(())
     reducer.finalize(1.0, [flag])
     assert torch.equal(reducer.buffers[0].views()[0], torch.zeros(3))
