@@ -26,8 +26,8 @@
 // size. Holding a whole 25 MB bucket of gradients until it is complete and then
 // freeing them at once makes glibc return that memory to the OS (its trim threshold
 // adapts to about twice the largest allocation), so the next VN's gradients fault
-// every page back in: measured on CPU, 10k page faults and ~15 ms per VN on a 48 MB
-// MLP. Folding every ~1 MB keeps the freed memory below the trim threshold and the
+// every page back in: on CPU, with the 48 MB MLP of benchmarks/distributed.py, 10-12k
+// minor page faults per step of 2 VNs and ~19 ms per VN. Folding every ~1 MB keeps the freed memory below the trim threshold and the
 // un-folded gradients at about 1 MB plus the one being folded. Small gradients are
 // still batched, so one fused call covers many of them.
 //

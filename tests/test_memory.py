@@ -31,7 +31,11 @@ _SCRIPT = textwrap.dedent(
     with open("/proc/self/statm") as f:
         before = int(f.read().split()[1]) * page
     ex.step((x, y))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM, not getrusage's ru_maxrss: Linux folds the parent's resident size at fork
+    # into ru_maxrss across exec, so a large test runner would mask the step's peak.
+    with open("/proc/self/status") as f:
+        hwm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    peak = hwm_kb * 1024
     print(json.dumps({"v": v, "step_peak_mb": (peak - before) / 2**20}))
     """
 )
