@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -136,23 +136,36 @@ class Collectives:
                     "Executor (and call set_plan) with the same value"
                 )
 
-    @torch.no_grad()
-    def broadcast_from_first(self, tensors: Sequence[torch.Tensor], what: str, step: int | None):
-        """Copies rank 0's values into ``tensors`` on every rank, one collective per
-        dtype and device."""
-        for members in _by_kind(tensors).values():
-            flat = torch.cat([t.detach().reshape(-1) for t in members]).to(self.device)
-            work = dist.broadcast(flat, src=self._root, group=self.group, async_op=True)
-            self._wait(work, what, step)
-            _scatter_back(flat, members)
+    def broadcast_from_first(
+        self, tensors: Sequence[torch.Tensor], what: str, step: int | None
+    ) -> None:
+        """Copies rank 0's values into ``tensors`` on every rank."""
+        self._coalesced(
+            tensors,
+            lambda flat: dist.broadcast(flat, src=self._root, group=self.group, async_op=True),
+            what,
+            step,
+        )
 
-    @torch.no_grad()
     def sum(self, tensors: Sequence[torch.Tensor], what: str, step: int | None) -> None:
         """In place: each tensor becomes its sum over the ranks."""
+        self._coalesced(
+            tensors, lambda flat: dist.all_reduce(flat, group=self.group, async_op=True), what, step
+        )
+
+    @torch.no_grad()
+    def _coalesced(
+        self,
+        tensors: Sequence[torch.Tensor],
+        start: Callable[[torch.Tensor], dist.Work],
+        what: str,
+        step: int | None,
+    ) -> None:
+        """Runs the collective ``start`` on ``tensors`` flattened together, one call
+        per dtype and device, and copies the results back."""
         for members in _by_kind(tensors).values():
-            flat = torch.cat([t.reshape(-1) for t in members]).to(self.device)
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
-            self._wait(work, what, step)
+            flat = torch.cat([t.detach().reshape(-1) for t in members]).to(self.device)
+            self._wait(start(flat), what, step)
             _scatter_back(flat, members)
 
     def gather_rows(self, local: torch.Tensor, counts: Sequence[int], step: int) -> torch.Tensor:

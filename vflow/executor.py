@@ -442,7 +442,8 @@ class Executor:
             # they are and divided by the global item count once all VNs have run.
             weight = size / total if kind == "mean" else 1.0
             loss_parts.append(loss.detach().double() * weight)
-            item_parts.append(torch.as_tensor(items, dtype=torch.float64).to(self._device))
+            if kind == "sum":
+                item_parts.append(torch.as_tensor(items, dtype=torch.float64).to(self._device))
             if last:
                 stats = self._local_stats(loss_parts, item_parts, kind)
                 self._grads.start_stats(stats)
@@ -478,7 +479,12 @@ class Executor:
         """[weighted loss sum, item count, 1 if summed losses] of this worker's VNs, in
         float64 on the communication device, to be summed over the workers."""
         device = self._device if self._collectives is None else self._collectives.device
-        items = torch.stack(item_parts)
+        # Mean losses carry no item counts: B is known, so the count is left at 0.
+        items = (
+            torch.stack(item_parts)
+            if item_parts
+            else torch.zeros(1, dtype=torch.float64, device=self._device)
+        )
         # Counted on the device, so that bad counts are seen by every worker without a
         # host synchronisation before the last backward.
         bad = ((items < 0) | ~torch.isfinite(items)).sum().double()
