@@ -312,6 +312,11 @@ def test_a_failed_rank_makes_the_others_raise_within_the_timeout(how):
 # ---- bad plans and mismatched ranks ------------------------------------------------------
 
 
+def _summed_ce(model: nn.Module, batch) -> tuple[torch.Tensor, int]:
+    x, y = batch
+    return F.cross_entropy(model(x), y, reduction="sum"), y.shape[0]
+
+
 def _bad_construction(rank: int, world_size: int) -> dict:
     group = dist.group.WORLD
     errors = {}
@@ -357,6 +362,16 @@ def _bad_construction(rank: int, world_size: int) -> dict:
         ex.step(batch[0][:3], global_batch_size=16)
     except ValueError as e:
         plan_errors["local_size"] = str(e)
+    ex.loss_fn = models.mean_ce if rank == 0 else _summed_ce
+    before_step = _state(model)
+    try:
+        ex.step(batch)
+    except TypeError as e:
+        plan_errors["mixed_kinds"] = str(e)
+    plan_errors["mixed_kinds_unchanged"] = all(
+        torch.equal(a, b) for a, b in zip(before_step, _state(model))
+    )
+    ex.loss_fn = models.mean_ce
     ex.set_plan(vflow.Plan(counts=[7, 1]))
     ex.step(batch)  # the group still works after the rejected calls
     return {
@@ -397,5 +412,9 @@ def test_bad_plans_and_mismatched_ranks_raise_clear_errors():
         assert "is for 1 workers" in plan_errors["set_workers"]
         assert "ranks disagree on the plan" in plan_errors["set_disagree"]
         assert "pass this worker's samples only" in plan_errors["local_size"]
+        assert (
+            "losses on 1 of 2 workers and mean losses on the others" in plan_errors["mixed_kinds"]
+        )
+        assert plan_errors["mixed_kinds_unchanged"]
         assert r.value["kept"] == "Plan(counts=[4, 4])"
         assert r.value["steps"] == 2

@@ -450,13 +450,16 @@ class Executor:
             self._grads.backward(loss.float() * scale if scale != 1.0 else loss, weight, last)
             self._buffers.end_vn()
         clock.mark()
-        loss_total, items_total, sum_kind_workers = self._global_stats(stats, slices, item_parts)
+        self._grads.wait_stats()
+        loss_total, items_total, sum_kind_workers, bad_items = stats.tolist()
         if sum_kind_workers not in (0, self.world_size):
             raise TypeError(
                 f"loss_fn returned (loss_sum, num_items) losses on {sum_kind_workers:g} of "
                 f"{self.world_size} workers and mean losses on the others; every worker must "
                 "return the same kind"
             )
+        if bad_items:
+            self._raise_bad_items(slices, item_parts, bad_items)
         factor = 1.0 / scale
         if kind == "mean":
             num_items = float(total)
@@ -476,8 +479,9 @@ class Executor:
     def _local_stats(
         self, loss_parts: list[torch.Tensor], item_parts: list[torch.Tensor], kind: str
     ) -> torch.Tensor:
-        """[weighted loss sum, item count, 1 if summed losses] of this worker's VNs, in
-        float64 on the communication device, to be summed over the workers."""
+        """[weighted loss sum, item count, 1 if summed losses, VNs with an invalid item
+        count] of this worker's VNs, in float64 on the communication device, to be summed
+        over the workers."""
         device = self._device if self._collectives is None else self._collectives.device
         # Mean losses carry no item counts: B is known, so the count is left at 0.
         items = (
@@ -498,24 +502,22 @@ class Executor:
             ]
         )
 
-    def _global_stats(
-        self, stats: torch.Tensor, slices: list[VNSlice], item_parts: list[torch.Tensor]
-    ) -> tuple[float, float, float]:
-        self._grads.wait_stats()
-        loss_total, items_total, sum_kind_workers, bad_items = stats.tolist()
-        if bad_items:
-            for (vn, _, _), items in zip(slices, item_parts, strict=True):
-                value = float(items)
-                if not math.isfinite(value) or value < 0:
-                    raise ValueError(
-                        f"loss_fn (virtual node {vn}) returned num_items={value}; expected a "
-                        "count >= 0"
-                    )
-            raise ValueError(
-                f"loss_fn returned a num_items that is negative or not finite on "
-                f"{bad_items:g} virtual node(s) of other workers; expected counts >= 0"
-            )
-        return loss_total, items_total, sum_kind_workers
+    @staticmethod
+    def _raise_bad_items(
+        slices: list[VNSlice], item_parts: list[torch.Tensor], bad_items: float
+    ) -> None:
+        """Names this worker's first VN with an invalid num_items, else the count of
+        such VNs on the other workers (every worker raises at the same point)."""
+        for (vn, _, _), items in zip(slices, item_parts, strict=True):
+            value = float(items)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(
+                    f"loss_fn (virtual node {vn}) returned num_items={value}; expected a count >= 0"
+                )
+        raise ValueError(
+            f"loss_fn returned a num_items that is negative or not finite on "
+            f"{bad_items:g} virtual node(s) of other workers; expected counts >= 0"
+        )
 
     @staticmethod
     def _check_items(total: float) -> None:
