@@ -40,20 +40,13 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
+from vflow._checks import require_int
 from vflow.plan import Plan
 from vflow.rng import vn_seed
 
 # The stream argument of vn_seed: keeps the data order independent of the dropout
 # streams (0, 1) even when the Executor and the sampler share a seed. ASCII "data".
 _DATA_STREAM = 0x64617461
-
-
-def _check_int(name: str, value: object, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 def _check_bool(name: str, value: object) -> bool:
@@ -65,7 +58,7 @@ def _check_bool(name: str, value: object) -> bool:
 def _check_plan(plan: object, rank: object, batch_size: int) -> tuple[Plan, int]:
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a vflow.plan.Plan, got {type(plan).__name__}")
-    rank = _check_int("rank", rank)
+    rank = require_int("rank", rank)
     if not 0 <= rank < plan.num_workers:
         raise ValueError(
             f"rank must be in [0, {plan.num_workers}) for {plan!r} "
@@ -141,9 +134,9 @@ class VNBatchSampler(Sampler[list[int]]):
         shuffle: bool = True,
         drop_last: bool = True,
     ) -> None:
-        dataset_size = _check_int("dataset_size", dataset_size, minimum=0)
-        batch_size = _check_int("batch_size", batch_size, minimum=1)
-        seed = _check_int("seed", seed)
+        dataset_size = require_int("dataset_size", dataset_size, minimum=0)
+        batch_size = require_int("batch_size", batch_size, minimum=1)
+        seed = require_int("seed", seed)
         shuffle = _check_bool("shuffle", shuffle)
         drop_last = _check_bool("drop_last", drop_last)
         plan, rank = _check_plan(plan, rank, batch_size)
@@ -179,7 +172,7 @@ class VNBatchSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch's global order. Applies to the next ``iter()``; an iteration
         already running keeps the order it started with."""
-        self._epoch = _check_int("epoch", epoch, minimum=0)
+        self._epoch = require_int("epoch", epoch, minimum=0)
 
     def set_plan(self, plan: Plan, rank: int | None = None) -> None:
         """Replaces the plan (and, if given, the rank; otherwise the rank is kept).
@@ -223,7 +216,7 @@ class VNBatchSampler(Sampler[list[int]]):
     def global_batch_size(self, index: int) -> int:
         """Samples in global batch ``index`` of an epoch, over all workers: B, except for
         a kept incomplete last batch (``drop_last=False``)."""
-        index = _check_int("index", index, minimum=0)
+        index = require_int("index", index, minimum=0)
         if index >= len(self):
             raise ValueError(f"index must be < {len(self)} (batches per epoch), got {index}")
         return min(self._batch_size, self._dataset_size - index * self._batch_size)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from vflow import distributed, rng
+from vflow._checks import require_int
 from vflow.amp import LossScaler
 from vflow.batching import Batch, batch_size, concat_outputs, map_batch, slice_batch
 from vflow.grads import GradAccumulator
@@ -89,14 +90,6 @@ def _default_forward(model: torch.nn.Module, batch: Batch) -> Any:
     if isinstance(batch, dict):
         return model(**batch)
     return model(*batch)
-
-
-def _require_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 class Executor:
@@ -167,8 +160,8 @@ class Executor:
             )
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        self.virtual_nodes = _require_int("virtual_nodes", virtual_nodes, 1)
-        self.seed = _require_int("seed", seed, 0)
+        self.virtual_nodes = require_int("virtual_nodes", virtual_nodes, 1)
+        self.seed = require_int("seed", seed, 0)
         if amp is not None and amp not in _AMP_DTYPES:
             raise ValueError(f"amp must be None, 'bf16' or 'fp16', got {amp!r}")
         if accumulate_dtype not in (torch.float32, torch.float64):
@@ -344,7 +337,7 @@ class Executor:
         total = batch_size(batch)
         if global_batch_size is None:
             return self._plan.worker_slices(self.rank, total), total
-        _require_int("global_batch_size", global_batch_size, 1)
+        require_int("global_batch_size", global_batch_size, 1)
         start, stop = self._plan.worker_range(self.rank, global_batch_size)
         if total != stop - start:
             raise ValueError(

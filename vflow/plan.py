@@ -23,6 +23,7 @@ import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from vflow._checks import require_int
 from vflow.batching import split_sizes
 
 
@@ -39,11 +40,7 @@ def _positive_ints(name: str, values: object) -> tuple[int, ...]:
         raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
     out = []
     for k, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name}[{k}] must be an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name}[{k}] must be >= 1, got {value}")
-        out.append(int(value))
+        out.append(require_int(f"{name}[{k}]", value, 1))
     if not out:
         raise ValueError(f"{name} must name at least one worker")
     return tuple(out)
@@ -160,8 +157,7 @@ class Plan:
         return mine[0].start, mine[-1].start + mine[-1].size
 
     def _check_worker(self, worker: int) -> None:
-        if isinstance(worker, bool) or not isinstance(worker, int):
-            raise TypeError(f"worker must be an int, got {type(worker).__name__}")
+        require_int("worker", worker)
         if not 0 <= worker < self.num_workers:
             raise ValueError(f"worker must be in [0, {self.num_workers}), got {worker}")
 
