@@ -66,10 +66,12 @@ def _extension():
     sources = [
         "csrc/bindings.cpp",
         "csrc/ops.cpp",
+        "csrc/exact.cpp",
         "csrc/grad_buffer.cpp",
         "csrc/reducer.cpp",
         "csrc/torch_ops.cpp",
         "csrc/cpu/accumulate_cpu.cpp",
+        "csrc/cpu/exact_cpu.cpp",
     ]
     cxx = ["-O3", f'-DVFLOW_TORCH_VERSION="{torch.__version__}"']
     link: list[str] = []
@@ -92,7 +94,7 @@ def _extension():
         nvcc.append("-Xptxas=-v")
     return CUDAExtension(
         "vflow._C",
-        [*sources, "csrc/cuda/accumulate_cuda.cu"],
+        [*sources, "csrc/cuda/accumulate_cuda.cu", "csrc/cuda/exact_cuda.cu"],
         include_dirs=_nvidia_wheel_includes(),
         extra_compile_args={"cxx": [*cxx, "-DVFLOW_WITH_CUDA"], "nvcc": nvcc},
     )

@@ -1,6 +1,6 @@
 """vflow's Executor against PyTorch DDP + no_sync on 2 Gloo ranks on localhost.
 
-Both methods train their own copy of one MLP (same initial weights, same
+The three methods train their own copy of one MLP (same initial weights, same
 ``SGD(lr=0.01, momentum=0.9)``) on the same global batch of B samples split into V
 virtual nodes (VNs); each of the 2 ranks runs the VNs ``vflow.Plan.even(V, 2)`` gives
 it, one after another.
@@ -8,6 +8,13 @@ it, one after another.
 * vflow: ``Executor(model, opt, loss_fn, V)`` on the default group. During a rank's last
   VN's backward the C++ Reducer starts each gradient bucket's async all-reduce as soon
   as the bucket is complete.
+* vflow deterministic: the same executor (same V, plan, buckets, seed) with
+  ``deterministic=True``: gradients are summed exactly in integers, so training is
+  bitwise identical for any mapping of the VNs onto workers. When a bucket is complete
+  in the last VN's backward, its 1-byte top bins are all-reduced with MAX (waited for
+  there), the integers packed, and the int64 packed sums' SUM started asynchronously
+  (Note [Exact buckets] in csrc/reducer.h). Its cost is the ratio deterministic /
+  vflow (target <= 1.3).
 * DDP: ``DistributedDataParallel(model, gradient_as_bucket_view=True, bucket_cap_mb=25)``;
   each rank runs its VN slices as microbatches, all but the last under ``no_sync()``,
   each loss scaled by ``n_i / B * world_size`` (DDP averages over ranks, so the result is
@@ -16,11 +23,12 @@ it, one after another.
   fresh gradient tensors land in newly mapped pages every step (``--ddp-zero-grad``).
   DDP all-reduces its buckets during the last microbatch's backward.
 
-Timing: after warm-up steps, each repetition runs one step of each method, alternating
-which goes first (A B B A ...), then one standalone all-reduce. Every timed step starts
-right after a barrier; a step's time is the slowest rank's (host wall clock), so the
-two methods face the same drift and ``ratio`` is the median over repetitions of
-vflow / DDP on the same batch.
+Timing: after warm-up steps, each repetition runs one step of each method, cycling
+through the 6 orders of the three (so each goes first, second and last equally often
+over 6 repetitions), then the standalone all-reduces. Every timed step starts right
+after a barrier; a step's time is the slowest rank's (host wall clock), so the methods
+face the same drift and a ratio is the median over repetitions of the per-step ratio on
+the same batch (vflow / DDP, deterministic / DDP, deterministic / vflow).
 
 Overlap, per method (medians over repetitions):
 
@@ -28,8 +36,16 @@ Overlap, per method (medians over repetitions):
   (``Reducer.bucket_ranges()``: async all-reduces of the same slices of a scratch copy
   of the flat buffer, then wait) with no compute running. DDP's buckets hold the same
   bytes (vflow only adds 64-byte alignment padding).
+* standalone, deterministic wire format: the same buckets as int8 (MAX) then int64
+  (SUM) scratch tensors: every bucket's MAX started, then bucket by bucket its MAX
+  waited for and its SUM started, then all SUMs waited for (the reducer's order,
+  without the packing between).
 * vflow exposed = ``StepResult.timings.reduce_wait``, the host time spent waiting for
   bucket all-reduces after backward returned. hidden = 1 - exposed / standalone.
+  For the deterministic executor reduce_wait is its whole finalize: waiting for the
+  SUMs and unpacking the integers (its MAX waits and packing happen inside the last
+  backward, in 'last - other'); its hidden = 1 - exposed / standalone (deterministic
+  wire format).
 * DDP exposed = (forward+backward time of the synchronising microbatch) - (that of a
   no_sync microbatch): DDP waits for its all-reduces at the end of the synchronising
   backward, so its extra time is the comm that backward did not hide, plus DDP's bucket
@@ -44,11 +60,20 @@ The breakdown table splits each method's step into its phases and counts minor p
 faults per step: on CPU, gradients that land in freshly mapped memory cost a page
 fault per 4 KiB page, which can rival the arithmetic.
 
-Correctness: after the timed steps both methods have taken the same number of steps on
+Bytes communicated per step and rank (the payload each rank hands to all-reduce):
+vflow: ``Reducer.bytes_per_step`` (the buckets in their wire format: 4 bytes per
+float32 element; deterministic: 1 + 8 = 9 bytes per element) plus the step statistics
+all-reduce of 2V + 2 float64 values; DDP: 4 bytes per gradient element. A ring
+all-reduce moves about 2(W-1)/W times the payload over each rank's link.
+
+Correctness: after the timed steps all methods have taken the same number of steps on
 the same batches from the same parameters; the largest relative parameter difference
-(max |a - b| / max |b| per tensor, maximum over tensors) is printed. It is 0 when the
-VN weights n_i / B are powers of two (the defaults): both methods then compute the
-same float32 sums. Otherwise expect ~1e-6 (rounding of differently scaled sums).
+(max |a - b| / max |b| per tensor, maximum over tensors) between vflow and DDP is
+printed. It is 0 when the VN weights n_i / B are powers of two (the defaults): both
+methods then compute the same float32 sums. Otherwise expect ~1e-6 (rounding of
+differently scaled sums). The deterministic executor rounds its exact sum once, so it
+differs slightly from both (max |a - b| printed); its two ranks must hold bitwise-equal
+parameters (checked and printed, as for the default executor).
 
 Run ``python benchmarks/distributed.py --help`` for options.
 """
@@ -59,6 +84,7 @@ import argparse
 import contextlib
 import copy
 import faulthandler
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -98,6 +124,9 @@ WORLD_SIZE = 2
 HOST = "127.0.0.1"
 CLASSES = 10
 TARGET_RATIO = 1.0  # vflow step time / DDP step time, printed (not asserted)
+# deterministic=True step time / default vflow step time, printed (not asserted)
+TARGET_DETERMINISTIC_RATIO = 1.3
+METHODS = ("vflow", "ddp", "det")  # "det": the executor with deterministic=True
 # How long a terminated rank gets to exit before it is killed outright.
 GRACE_S = 5.0
 
@@ -144,17 +173,26 @@ class RankSeries:
     vflow_reduce: list[float] = field(default_factory=list)
     vflow_reduce_wait: list[float] = field(default_factory=list)
     vflow_optimizer: list[float] = field(default_factory=list)
+    # The same for the executor with deterministic=True.
+    det_step: list[float] = field(default_factory=list)
+    det_other_vn: list[float] = field(default_factory=list)
+    det_last_vn: list[float] = field(default_factory=list)
+    det_reduce: list[float] = field(default_factory=list)
+    det_reduce_wait: list[float] = field(default_factory=list)
+    det_optimizer: list[float] = field(default_factory=list)
     ddp_step: list[float] = field(default_factory=list)
     ddp_other_mb: list[float] = field(default_factory=list)  # median of the no_sync ones
     ddp_last_mb: list[float] = field(default_factory=list)
     ddp_optimizer: list[float] = field(default_factory=list)
     allreduce: list[float] = field(default_factory=list)
+    det_allreduce: list[float] = field(default_factory=list)  # int8 MAX + int64 SUM
     vflow_faults: list[float] = field(default_factory=list)
     ddp_faults: list[float] = field(default_factory=list)
+    det_faults: list[float] = field(default_factory=list)
 
 
 class Bench:
-    """Both methods on this rank, with their models, optimizers and batches."""
+    """The methods on this rank, with their models, optimizers and batches."""
 
     def __init__(self, cfg: Config, rank: int) -> None:
         self.cfg = cfg
@@ -163,16 +201,13 @@ class Bench:
         initial = mlp(cfg.hidden, cfg.layers)
         self.model_v = copy.deepcopy(initial)
         self.model_d = copy.deepcopy(initial)
+        self.model_x = copy.deepcopy(initial)
         self.params = sum(p.numel() for p in initial.parameters())
         self._vn_starts: list[float] = []
-        self.ex = vflow.Executor(
-            self.model_v,
-            make_optimizer(self.model_v.parameters()),
-            self._vflow_loss,
-            virtual_nodes=cfg.virtual_nodes,
-            seed=0,
-            timeout=cfg.collective_timeout_s,
-        )
+        self.ex = self._executor(self.model_v, deterministic=False)
+        self.ex_x = self._executor(self.model_x, deterministic=True)
+        if self.ex_x.plan != self.ex.plan:
+            raise RuntimeError(f"plans differ: {self.ex.plan} vs {self.ex_x.plan}")
         self.ddp = DistributedDataParallel(
             self.model_d, gradient_as_bucket_view=True, bucket_cap_mb=25
         )
@@ -196,6 +231,32 @@ class Bench:
         ranges = self.ex._grads.reducer.bucket_ranges()
         self.bucket_slices = [scratch[r.buffer].narrow(0, r.offset, r.numel) for r in ranges]
         self.bucket_mb = [s.numel() * s.element_size() / 2**20 for s in self.bucket_slices]
+        # The deterministic executor's buckets in its wire format: int8 top bins (MAX)
+        # and int64 packed sums (SUM), zeros so that the SUMs never overflow.
+        ranges_x = self.ex_x._grads.reducer.bucket_ranges()
+        self.det_bucket_slices = [
+            (torch.zeros(r.numel, dtype=torch.int8), torch.zeros(r.numel, dtype=torch.int64))
+            for r in ranges_x
+        ]
+        # Payload each rank hands to all-reduce per step: the buckets in their wire
+        # format plus the step statistics (2V + 2 float64 values); DDP: fp32 gradients.
+        stats_bytes = (2 * cfg.virtual_nodes + 2) * 8
+        self.bytes_per_step = {
+            "vflow": self.ex._grads.reducer.bytes_per_step + stats_bytes,
+            "det": self.ex_x._grads.reducer.bytes_per_step + stats_bytes,
+            "ddp": 4 * sum(p.numel() for p in self.ddp.parameters() if p.requires_grad),
+        }
+
+    def _executor(self, model: nn.Module, *, deterministic: bool) -> vflow.Executor:
+        return vflow.Executor(
+            model,
+            make_optimizer(model.parameters()),
+            self._vflow_loss,
+            virtual_nodes=self.cfg.virtual_nodes,
+            seed=0,
+            timeout=self.cfg.collective_timeout_s,
+            deterministic=deterministic,
+        )
 
     def _vflow_loss(self, model: nn.Module, vn_batch: Batch) -> torch.Tensor:
         # The executor calls loss_fn at the start of each VN: these timestamps split
@@ -205,24 +266,37 @@ class Bench:
         return F.cross_entropy(model(x), y)
 
     def vflow_step(self, batch: Batch, series: RankSeries | None) -> float:
+        return self._executor_step(self.ex, "vflow", batch, series)
+
+    def det_step(self, batch: Batch, series: RankSeries | None) -> float:
+        return self._executor_step(self.ex_x, "det", batch, series)
+
+    def _executor_step(
+        self, ex: vflow.Executor, name: str, batch: Batch, series: RankSeries | None
+    ) -> float:
+        """One step of ``ex``, recorded in the ``series`` fields named ``{name}_...``."""
         self._vn_starts.clear()
         faults = minor_faults()
         t0 = time.perf_counter()
-        result = self.ex.step(batch)
+        result = ex.step(batch)
         elapsed = time.perf_counter() - t0
         if series is not None:
-            series.vflow_faults.append(minor_faults() - faults)
+
+            def record(what: str, value: float) -> None:
+                getattr(series, f"{name}_{what}").append(value)
+
+            record("faults", minor_faults() - faults)
             t = result.timings
             fb_end = t0 + t.forward_backward
             ends = [*self._vn_starts[1:], fb_end]
             vn_times = [end - start for start, end in zip(self._vn_starts, ends, strict=True)]
-            series.vflow_step.append(elapsed)
+            record("step", elapsed)
             if len(vn_times) > 1:
-                series.vflow_other_vn.append(median(vn_times[:-1]))
-            series.vflow_last_vn.append(vn_times[-1])
-            series.vflow_reduce.append(t.reduce)
-            series.vflow_reduce_wait.append(t.reduce_wait)
-            series.vflow_optimizer.append(t.optimizer)
+                record("other_vn", median(vn_times[:-1]))
+            record("last_vn", vn_times[-1])
+            record("reduce", t.reduce)
+            record("reduce_wait", t.reduce_wait)
+            record("optimizer", t.optimizer)
         return result.loss
 
     def ddp_step(self, batch: Batch, series: RankSeries | None) -> float:
@@ -266,38 +340,81 @@ class Bench:
         if series is not None:
             series.allreduce.append(time.perf_counter() - t0)
 
-    def max_param_rel_diff(self) -> float:
-        worst = 0.0
-        for a, b in zip(self.model_v.parameters(), self.model_d.parameters(), strict=True):
-            scale = b.detach().abs().max().item()
-            diff = (a.detach() - b.detach()).abs().max().item()
-            worst = max(worst, diff / max(scale, 1e-30))
-        return worst
+    def standalone_det_allreduce(self, series: RankSeries | None) -> None:
+        # The deterministic reducer's order: every bucket's MAX of the top bins, then in
+        # bucket order wait for its MAX and start its SUM (it packs in between).
+        t0 = time.perf_counter()
+        max_works = [
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, async_op=True)
+            for top, _ in self.det_bucket_slices
+        ]
+        sum_works = []
+        for work, (_, wire) in zip(max_works, self.det_bucket_slices, strict=True):
+            work.wait()
+            sum_works.append(dist.all_reduce(wire, async_op=True))
+        for work in sum_works:
+            work.wait()
+        if series is not None:
+            series.det_allreduce.append(time.perf_counter() - t0)
+
+    def max_param_diffs(self) -> dict[str, float]:
+        """Largest parameter differences between the methods' models: relative (max
+        |a - b| / max |b| per tensor) and absolute, each the maximum over tensors."""
+
+        def worst(a_model: nn.Module, b_model: nn.Module, relative: bool) -> float:
+            out = 0.0
+            for a, b in zip(a_model.parameters(), b_model.parameters(), strict=True):
+                diff = (a.detach() - b.detach()).abs().max().item()
+                scale = b.detach().abs().max().item() if relative else 1.0
+                out = max(out, diff / max(scale, 1e-30))
+            return out
+
+        return {
+            "vflow_vs_ddp_rel": worst(self.model_v, self.model_d, True),
+            "det_vs_vflow_abs": worst(self.model_x, self.model_v, False),
+            "det_vs_vflow_rel": worst(self.model_x, self.model_v, True),
+            "det_vs_ddp_rel": worst(self.model_x, self.model_d, True),
+        }
+
+    def mismatches_with_rank0(self, model: nn.Module) -> int:
+        """Parameter elements of ``model`` whose bits differ from rank 0's (the same
+        value on every rank): replicas that apply the same gradients stay equal."""
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        bits = flat.view(torch.int32)
+        reference = bits.clone()
+        dist.broadcast(reference, src=0)
+        count = torch.tensor([int((bits != reference).sum())], dtype=torch.int64)
+        dist.all_reduce(count)
+        return int(count)
 
     def run(self) -> RankSeries:
         cfg = self.cfg
         methods: dict[str, Callable[[Batch, RankSeries | None], float]] = {
             "vflow": self.vflow_step,
             "ddp": self.ddp_step,
+            "det": self.det_step,
         }
+        standalone = [self.standalone_allreduce, self.standalone_det_allreduce]
         for k in range(cfg.warmup):
             for fn in methods.values():
                 dist.barrier()
                 fn(self.batches[k], None)
-            dist.barrier()
-            self.standalone_allreduce(None)
+            for measure in standalone:
+                dist.barrier()
+                measure(None)
         series = RankSeries()
+        # All 6 orders in turn: over 6 repetitions each method runs first, second and
+        # last equally often, so a warm-cache or post-switch penalty falls on all.
+        orders = list(itertools.permutations(METHODS))
         for rep in range(cfg.reps):
-            # A B then B A: each method runs first equally often, so a warm-cache or
-            # post-switch penalty falls on both.
-            order = ["vflow", "ddp"] if rep % 2 == 0 else ["ddp", "vflow"]
-            for name in order:
-                # Both ranks start the step together, so neither method's time contains
-                # the other rank finishing its previous work.
+            for name in orders[rep % len(orders)]:
+                # Both ranks start the step together, so no method's time contains the
+                # other rank finishing its previous work.
                 dist.barrier()
                 methods[name](self.batches[cfg.warmup + rep], series)
-            dist.barrier()
-            self.standalone_allreduce(series)
+            for measure in standalone:
+                dist.barrier()
+                measure(series)
         return series
 
 
@@ -314,7 +431,13 @@ def _hidden(exposed: float | None, standalone: float) -> float | None:
     return min(1.0, max(0.0, 1.0 - exposed / standalone))
 
 
-def summarise(cfg: Config, bench: Bench, ranks: list[RankSeries], diff: float) -> dict[str, Any]:
+def summarise(
+    cfg: Config,
+    bench: Bench,
+    ranks: list[RankSeries],
+    diffs: dict[str, float],
+    mismatches: dict[str, int],
+) -> dict[str, Any]:
     """One record from every rank's series: step times are the slowest rank's, phase
     times the mean over ranks, each then taken as a median over repetitions."""
 
@@ -327,24 +450,33 @@ def summarise(cfg: Config, bench: Bench, ranks: list[RankSeries], diff: float) -
     def med(values: list[float]) -> float | None:
         return median(values) if values else None
 
-    v_step, d_step = slowest("vflow_step"), slowest("ddp_step")
-    allreduce = slowest("allreduce")
-    ratios = [a / b for a, b in zip(v_step, d_step, strict=True)]
-    standalone = median(allreduce)
+    def paired(a: list[float], b: list[float]) -> list[float]:
+        return [x / y for x, y in zip(a, b, strict=True)]
 
-    v_other, v_last = med(mean("vflow_other_vn")), med(mean("vflow_last_vn"))
+    v_step, d_step, x_step = slowest("vflow_step"), slowest("ddp_step"), slowest("det_step")
+    allreduce, det_allreduce = slowest("allreduce"), slowest("det_allreduce")
+    ratios = paired(v_step, d_step)
+    x_ratios = paired(x_step, v_step)  # deterministic / default vflow
+    x_ddp_ratios = paired(x_step, d_step)
+    standalone, det_standalone = median(allreduce), median(det_allreduce)
+
     d_other, d_last = med(mean("ddp_other_mb")), med(mean("ddp_last_mb"))
-    v_wait = med(mean("vflow_reduce_wait"))
+    v_wait, x_wait = med(mean("vflow_reduce_wait")), med(mean("det_reduce_wait"))
     d_exposed = None if d_other is None or d_last is None else d_last - d_other
+
+    def executor_phases(name: str) -> dict[str, float | None]:
+        return {
+            "other_vn_fwd_bwd": med(mean(f"{name}_other_vn")),
+            "last_vn_fwd_bwd": med(mean(f"{name}_last_vn")),
+            "reduce": med(mean(f"{name}_reduce")),
+            "reduce_wait": med(mean(f"{name}_reduce_wait")),
+            "optimizer": med(mean(f"{name}_optimizer")),
+            "page_faults": med(mean(f"{name}_faults")),
+        }
+
     phases = {
-        "vflow": {
-            "other_vn_fwd_bwd": v_other,
-            "last_vn_fwd_bwd": v_last,
-            "reduce": med(mean("vflow_reduce")),
-            "reduce_wait": v_wait,
-            "optimizer": med(mean("vflow_optimizer")),
-            "page_faults": med(mean("vflow_faults")),
-        },
+        "vflow": executor_phases("vflow"),
+        "deterministic": executor_phases("det"),
         "ddp": {
             "other_mb_fwd_bwd": d_other,
             "last_mb_fwd_bwd": d_last,
@@ -368,6 +500,14 @@ def summarise(cfg: Config, bench: Bench, ranks: list[RankSeries], diff: float) -
         "warmup_steps": cfg.warmup,
         "measured_steps": cfg.reps,
         "buckets_mb": bench.bucket_mb,
+        # Payload per step and rank handed to all-reduce (a ring moves about
+        # 2 (W - 1) / W times it over each rank's link).
+        "bytes_per_step": {
+            "vflow": bench.bytes_per_step["vflow"],
+            "deterministic": bench.bytes_per_step["det"],
+            "ddp": bench.bytes_per_step["ddp"],
+        },
+        "stats_bytes_per_step": (2 * cfg.virtual_nodes + 2) * 8,
         "vflow_median_s": median(v_step),
         "ddp_median_s": median(d_step),
         "vflow_iqr_s": iqr(v_step),
@@ -377,17 +517,43 @@ def summarise(cfg: Config, bench: Bench, ranks: list[RankSeries], diff: float) -
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
         "ratio_of_medians": median(v_step) / median(d_step),
+        "deterministic_median_s": median(x_step),
+        "deterministic_iqr_s": iqr(x_step),
+        # Deterministic / default vflow, per step on the same batch.
+        "deterministic_ratio": median(x_ratios),
+        "deterministic_ratio_iqr": iqr(x_ratios),
+        "deterministic_ratio_min": min(x_ratios),
+        "deterministic_ratio_max": max(x_ratios),
+        "deterministic_ratio_of_medians": median(x_step) / median(v_step),
+        "deterministic_target_ratio": TARGET_DETERMINISTIC_RATIO,
+        "deterministic_target_met": median(x_ratios) <= TARGET_DETERMINISTIC_RATIO,
+        "deterministic_vs_ddp_ratio": median(x_ddp_ratios),
+        "deterministic_vs_ddp_ratio_min": min(x_ddp_ratios),
+        "deterministic_vs_ddp_ratio_max": max(x_ddp_ratios),
         "allreduce_standalone_s": standalone,
         "allreduce_standalone_iqr_s": iqr(allreduce),
+        "deterministic_allreduce_standalone_s": det_standalone,
+        "deterministic_allreduce_standalone_iqr_s": iqr(det_allreduce),
         "vflow_exposed_s": v_wait,
         "ddp_exposed_s": d_exposed,
+        "deterministic_exposed_s": x_wait,
         "vflow_hidden": _hidden(v_wait, standalone),
         "ddp_hidden": _hidden(d_exposed, standalone),
+        "deterministic_hidden": _hidden(x_wait, det_standalone),
         "phases_s": phases,
-        "max_param_rel_diff": diff,
+        "max_param_rel_diff": diffs["vflow_vs_ddp_rel"],
+        "deterministic_vs_vflow_max_abs_diff": diffs["det_vs_vflow_abs"],
+        "deterministic_vs_vflow_max_rel_diff": diffs["det_vs_vflow_rel"],
+        "deterministic_vs_ddp_max_rel_diff": diffs["det_vs_ddp_rel"],
+        # Parameter elements whose bits differ between the ranks (0: bitwise equal).
+        "deterministic_rank_mismatches": mismatches["det"],
+        "vflow_rank_mismatches": mismatches["vflow"],
         "vflow_times_s": v_step,
         "ddp_times_s": d_step,
+        "deterministic_times_s": x_step,
+        "deterministic_ratios": x_ratios,
         "allreduce_times_s": allreduce,
+        "deterministic_allreduce_times_s": det_allreduce,
     }
 
 
@@ -403,10 +569,18 @@ def _diff(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
 
+def _mb(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f}"
+
+
 def print_results(r: dict[str, Any]) -> None:
     v_times, d_times = r["vflow_times_s"], r["ddp_times_s"]
+    x_times = r["deterministic_times_s"]
     standalone = fmt_ms(r["allreduce_standalone_s"])
+    det_standalone = fmt_ms(r["deterministic_allreduce_standalone_s"])
+    nbytes = r["bytes_per_step"]
     ok = r["ratio"] <= TARGET_RATIO
+    det_ok = r["deterministic_target_met"]
     print(
         f"\n{r['model']} ({r['params'] / 1e6:.1f} M params, "
         f"{sum(r['buckets_mb']):.1f} MB of fp32 gradient in {len(r['buckets_mb'])} "
@@ -414,8 +588,9 @@ def print_results(r: dict[str, Any]) -> None:
         f"{r['measured_steps']} measured steps per method"
     )
     print(
-        "step = slowest rank's host time, median (min-max); ratio = median over "
-        "repetitions of vflow / DDP on the same batch (min-max)"
+        "step = slowest rank's host time, median (min-max); a ratio = median over "
+        "repetitions of the per-step ratio on the same batch (min-max); MB/step = payload "
+        "handed to all-reduce per step and rank (1 MB = 2^20 bytes)"
     )
     print(
         format_table(
@@ -424,6 +599,8 @@ def print_results(r: dict[str, Any]) -> None:
                 "step ms",
                 "min-max ms",
                 "ratio vs DDP",
+                "ratio vs vflow",
+                "MB/step",
                 "all-reduce alone ms",
                 "exposed ms",
                 "hidden",
@@ -434,15 +611,33 @@ def print_results(r: dict[str, Any]) -> None:
                     fmt_ms(r["vflow_median_s"]),
                     _ms_range(v_times),
                     f"{r['ratio']:.3f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})",
+                    "1.000",
+                    _mb(nbytes["vflow"]),
                     standalone,
                     fmt_ms(r["vflow_exposed_s"]),
                     _pct(r["vflow_hidden"]),
+                ],
+                [
+                    "vflow deterministic",
+                    fmt_ms(r["deterministic_median_s"]),
+                    _ms_range(x_times),
+                    f"{r['deterministic_vs_ddp_ratio']:.3f} "
+                    f"({r['deterministic_vs_ddp_ratio_min']:.2f}-"
+                    f"{r['deterministic_vs_ddp_ratio_max']:.2f})",
+                    f"{r['deterministic_ratio']:.3f} ({r['deterministic_ratio_min']:.2f}-"
+                    f"{r['deterministic_ratio_max']:.2f})",
+                    _mb(nbytes["deterministic"]),
+                    det_standalone,
+                    fmt_ms(r["deterministic_exposed_s"]),
+                    _pct(r["deterministic_hidden"]),
                 ],
                 [
                     "DDP + no_sync",
                     fmt_ms(r["ddp_median_s"]),
                     _ms_range(d_times),
                     "1.000",
+                    "-",
+                    _mb(nbytes["ddp"]),
                     standalone,
                     fmt_ms(r["ddp_exposed_s"]),
                     _pct(r["ddp_hidden"]),
@@ -451,12 +646,42 @@ def print_results(r: dict[str, Any]) -> None:
         )
     )
     print(
-        f"target ratio <= {TARGET_RATIO}: {'met' if ok else 'MISSED'} "
-        f"(ratio of medians {r['ratio_of_medians']:.3f}, "
+        f"target vflow / DDP <= {TARGET_RATIO}: {'met' if ok else 'MISSED'} "
+        f"(ratio {r['ratio']:.3f}, ratio of medians {r['ratio_of_medians']:.3f}, "
         f"ratio IQR {r['ratio_iqr']:.3f})"
+    )
+    print(
+        f"target deterministic / vflow <= {TARGET_DETERMINISTIC_RATIO}: "
+        f"{'met' if det_ok else 'not met'} (ratio {r['deterministic_ratio']:.3f}, "
+        f"ratio IQR {r['deterministic_ratio_iqr']:.3f}, ratio of medians "
+        f"{r['deterministic_ratio_of_medians']:.3f})"
+    )
+    print(
+        f"bytes per step per rank: vflow {nbytes['vflow']:,} (buckets, 4 B per element, "
+        f"+ {r['stats_bytes_per_step']} B of step statistics), deterministic "
+        f"{nbytes['deterministic']:,} (buckets, 1 B MAX + 8 B SUM per element, + "
+        f"{r['stats_bytes_per_step']} B), DDP {nbytes['ddp']:,} (4 B per gradient element); "
+        f"deterministic / vflow = {nbytes['deterministic'] / nbytes['vflow']:.2f}x"
+    )
+    world = r["world_size"]
+    print(
+        f"a ring all-reduce moves about 2(W-1)/W = {2 * (world - 1) / world:.2f} times the "
+        f"payload over each rank's link (W = {world})"
     )
 
     vp, dp = r["phases_s"]["vflow"], r["phases_s"]["ddp"]
+
+    def executor_row(name: str, p: dict[str, Any]) -> list[str]:
+        return [
+            name,
+            fmt_ms(p["other_vn_fwd_bwd"]),
+            fmt_ms(p["last_vn_fwd_bwd"]),
+            fmt_ms(_diff(p["last_vn_fwd_bwd"], p["other_vn_fwd_bwd"])),
+            f"{fmt_ms(p['reduce'])} (wait {fmt_ms(p['reduce_wait'])})",
+            fmt_ms(p["optimizer"]),
+            f"{p['page_faults']:.0f}",
+        ]
+
     print(
         "\nwhere the time goes (ms, per rank, mean over ranks then median over steps; "
         "'other' = a microbatch/VN before the last one)"
@@ -473,15 +698,8 @@ def print_results(r: dict[str, Any]) -> None:
                 "page faults",
             ],
             [
-                [
-                    "vflow",
-                    fmt_ms(vp["other_vn_fwd_bwd"]),
-                    fmt_ms(vp["last_vn_fwd_bwd"]),
-                    fmt_ms(_diff(vp["last_vn_fwd_bwd"], vp["other_vn_fwd_bwd"])),
-                    f"{fmt_ms(vp['reduce'])} (wait {fmt_ms(vp['reduce_wait'])})",
-                    fmt_ms(vp["optimizer"]),
-                    f"{vp['page_faults']:.0f}",
-                ],
+                executor_row("vflow", vp),
+                executor_row("vflow deterministic", r["phases_s"]["deterministic"]),
                 [
                     "DDP + no_sync",
                     fmt_ms(dp["other_mb_fwd_bwd"]),
@@ -498,11 +716,15 @@ def print_results(r: dict[str, Any]) -> None:
     print(
         "\nnotes:\n"
         f"  all-reduce alone = the gradient's buckets all-reduced with nothing else "
-        f"running (median over {r['measured_steps']} reps)\n"
+        f"running (median over {r['measured_steps']} reps);\n"
+        "    deterministic: the same buckets as int8 (MAX) then int64 (SUM) tensors, in "
+        "the reducer's order\n"
         "  vflow exposed = StepResult.timings.reduce_wait (waiting for bucket all-reduces "
         "after backward);\n"
         "    its 'last - other' shows how much the overlapped all-reduces slow the last "
-        "VN's backward\n"
+        "VN's backward;\n"
+        "    deterministic: its whole finalize (wait for the SUMs, unpack); its MAX waits "
+        "and packing are in the last backward\n"
         "  DDP exposed = last (synchronising) microbatch fwd+bwd - a no_sync one; DDP "
         "waits for its buckets inside that backward\n"
         "  hidden = 1 - exposed / all-reduce alone, clipped to [0, 1]\n"
@@ -513,9 +735,23 @@ def print_results(r: dict[str, Any]) -> None:
         "  vflow optimizer = optimizer.step and the step's bookkeeping; vflow's loss is "
         "the global one (an extra small all-reduce), DDP's the local one"
     )
+    steps = r["warmup_steps"] + r["measured_steps"]
+
+    def equal_ranks(mismatches: int) -> str:
+        if mismatches == 0:
+            return "bitwise equal"
+        return f"NOT bitwise equal ({mismatches} of {r['params']} elements differ)"
+
     print(
-        f"\ncorrectness: max relative parameter difference vflow vs DDP after "
-        f"{r['warmup_steps'] + r['measured_steps']} steps: {r['max_param_rel_diff']:.1e}"
+        f"\ncorrectness after {steps} steps:\n"
+        f"  max relative parameter difference vflow vs DDP: {r['max_param_rel_diff']:.1e}\n"
+        f"  deterministic vs vflow: max abs parameter difference "
+        f"{r['deterministic_vs_vflow_max_abs_diff']:.1e} (max relative "
+        f"{r['deterministic_vs_vflow_max_rel_diff']:.1e}; expected small but nonzero: one "
+        "rounding of the exact sum vs float32 sums)\n"
+        f"  ranks' parameters: deterministic "
+        f"{equal_ranks(r['deterministic_rank_mismatches'])}, vflow "
+        f"{equal_ranks(r['vflow_rank_mismatches'])}"
     )
 
 
@@ -529,7 +765,7 @@ def _use_loopback() -> None:
 
 
 def rank_main(rank: int, port: int, cfg: Config, out_path: str, give_up_at: float) -> None:
-    """One rank: joins the group, runs both methods, and on rank 0 prints the results
+    """One rank: joins the group, runs the methods, and on rank 0 prints the results
     and writes the record to ``out_path`` for the parent."""
     torch.set_num_threads(cfg.threads)
     # A rank still running shortly before the parent gives up (at wall-clock time
@@ -552,10 +788,15 @@ def rank_main(rank: int, port: int, cfg: Config, out_path: str, give_up_at: floa
             series = bench.run()
             gathered: list[Any] = [None] * WORLD_SIZE
             dist.all_gather_object(gathered, series)
-            diff = bench.max_param_rel_diff()
+            diffs = bench.max_param_diffs()
+            mismatches = {
+                "det": bench.mismatches_with_rank0(bench.model_x),
+                "vflow": bench.mismatches_with_rank0(bench.model_v),
+            }
             bench.ex.close()
+            bench.ex_x.close()
             if rank == 0:
-                record = summarise(cfg, bench, gathered, diff)
+                record = summarise(cfg, bench, gathered, diffs, mismatches)
                 print_results(record)
                 Path(out_path).write_text(json.dumps(record), encoding="utf-8")
         finally:
@@ -698,7 +939,11 @@ def main(argv: list[str] | None = None) -> int:
     apply_threads(cfg.threads)
     env = environment(torch.device("cpu"))
     env |= {"ranks": WORLD_SIZE, "backend": "gloo", "threads_per_rank": cfg.threads}
-    print_header("vflow benchmark: Executor vs DDP + no_sync, 2 Gloo ranks on localhost", env)
+    print_header(
+        "vflow benchmark: Executor (default and deterministic) vs DDP + no_sync, "
+        "2 Gloo ranks on localhost",
+        env,
+    )
     total_threads = WORLD_SIZE * cfg.threads
     print(
         f"{WORLD_SIZE} ranks x {cfg.threads} torch thread(s) (+ one Gloo thread each while "
@@ -711,7 +956,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{usable_cpus()} CPUs: expect descheduled threads and noisy times"
         )
     print(
-        f"config: {json.dumps(asdict(cfg))}\noptimizer SGD(lr=0.01, momentum=0.9) for both methods",
+        f"config: {json.dumps(asdict(cfg))}\noptimizer SGD(lr=0.01, momentum=0.9) for all methods",
         flush=True,
     )
     record = run_ranks(cfg, timeout_s)

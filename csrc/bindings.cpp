@@ -3,6 +3,7 @@
 // against PyTorch baselines without a buffer in the way.
 #include <torch/extension.h>
 
+#include "exact.h"
 #include "grad_buffer.h"
 #include "ops.h"
 #include "reducer.h"
@@ -32,6 +33,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scale_check_", &vflow::scale_check_, py::arg("buf"), py::arg("factor"),
         py::arg("found_nonfinite"),
         "buf *= factor and set found_nonfinite to 1 if any result is inf/NaN, in one pass.");
+  m.def("exact_accumulate_", &vflow::exact_accumulate_, py::arg("top"), py::arg("l0"),
+        py::arg("l1"), py::arg("l2"), py::arg("grad"), py::arg("weight"),
+        py::arg("fresh") = false,
+        "Add weight * grad to exact accumulators (Note [Exact accumulation]).");
+  m.def("exact_pack_", &vflow::exact_pack_, py::arg("local_top"), py::arg("global_top"),
+        py::arg("l0"), py::arg("l1"), py::arg("l2"), py::arg("wire"),
+        "Pack exact accumulators against global top bins into int64 sums.");
+  m.def("exact_unpack_", &vflow::exact_unpack_, py::arg("global_top"), py::arg("wire"),
+        py::arg("out"), py::arg("factor") = 1.0,
+        "out = factor * packed int64 sums, converted back to float32.");
+  m.attr("EXACT_MAX_TERMS") = vflow::exact::kMaxTerms;
 
   py::class_<vflow::GradBuffer, std::shared_ptr<vflow::GradBuffer>>(m, "GradBuffer")
       .def(py::init<const std::vector<at::Tensor>&, at::ScalarType>(), py::arg("params"),
@@ -70,7 +82,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        const std::vector<at::ScalarType>& dtypes, int64_t first_bucket_bytes,
                        int64_t bucket_cap_bytes,
                        std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> process_group,
-                       double timeout_seconds, std::string description) {
+                       double timeout_seconds, std::string description, bool exact) {
              TORCH_CHECK(timeout_seconds > 0, "timeout_seconds must be > 0, got ",
                          timeout_seconds);
              const auto timeout = std::chrono::milliseconds(
@@ -78,14 +90,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return std::make_unique<Reducer>(
                  groups, dtypes, first_bucket_bytes, bucket_cap_bytes,
                  process_group.value_or(c10::intrusive_ptr<c10d::ProcessGroup>()), timeout,
-                 std::move(description));
+                 std::move(description), exact);
            }),
            py::arg("groups"), py::arg("dtypes"), py::arg("first_bucket_bytes"),
            py::arg("bucket_cap_bytes"), py::arg("process_group") = py::none(),
-           py::arg("timeout_seconds") = 600.0, py::arg("description") = "the process group")
+           py::arg("timeout_seconds") = 600.0, py::arg("description") = "the process group",
+           py::arg("exact") = false)
       .def_property_readonly("buffers", &Reducer::buffers)
       .def_property_readonly("num_buckets", &Reducer::num_buckets)
       .def_property_readonly("world_size", &Reducer::world_size)
+      .def_property_readonly("exact", &Reducer::exact)
+      .def_property_readonly("bytes_per_step", &Reducer::bytes_per_step)
       .def("bucket_of", &Reducer::bucket_of, py::arg("buffer"), py::arg("slot"))
       .def("bucket_ranges", &Reducer::bucket_ranges)
       .def("begin_step", &Reducer::begin_step, py::arg("step"))

@@ -19,6 +19,10 @@ std::string error_text(const std::exception& e) {
 
 const std::string kStatsName = "all-reduce of the step's loss and item totals";
 
+// The bytes of one element of a bucket on the wire in exact mode: an int8 top bin
+// (MAX) and an int64 packed sum (SUM).
+constexpr int64_t kExactWireBytes = 1 + 8;
+
 } // namespace
 
 Reducer::Reducer(
@@ -28,8 +32,10 @@ Reducer::Reducer(
     int64_t bucket_cap_bytes,
     c10::intrusive_ptr<c10d::ProcessGroup> process_group,
     std::chrono::milliseconds timeout,
-    std::string description)
-    : process_group_(std::move(process_group)),
+    std::string description,
+    bool exact)
+    : exact_(exact),
+      process_group_(std::move(process_group)),
       timeout_(timeout),
       description_(std::move(description)) {
   TORCH_CHECK(!groups.empty(), "groups must hold at least one parameter group");
@@ -40,7 +46,17 @@ Reducer::Reducer(
   TORCH_CHECK(bucket_cap_bytes > 0, "bucket_cap_bytes must be > 0, got ", bucket_cap_bytes);
   TORCH_CHECK(timeout.count() > 0, "timeout must be > 0 ms, got ", timeout.count());
   for (const auto g : c10::irange(groups.size())) {
+    TORCH_CHECK(!exact || dtypes[g] == at::kFloat, "exact accumulation needs float32 "
+                "accumulators, but dtypes[", g, "] is ", dtypes[g]);
     auto buffer = std::make_shared<GradBuffer>(groups[g], dtypes[g]);
+    if (exact) {
+      const auto numel = buffer->data().numel();
+      const auto options = buffer->data().options();
+      exact_states_.push_back({at::zeros({numel}, options.dtype(at::kChar)),
+                               at::zeros({exact::kLimbs, numel}, options.dtype(at::kInt)),
+                               at::zeros({numel}, options.dtype(at::kChar)),
+                               at::zeros({numel}, options.dtype(at::kLong))});
+    }
     const int64_t element_size = static_cast<int64_t>(buffer->data().element_size());
     const auto& numels = buffer->numels();
     const auto& offsets = buffer->offsets();
@@ -53,6 +69,7 @@ Reducer::Reducer(
       bucket.buffer = static_cast<int64_t>(g);
       bucket.first_slot = first;
       bucket.last_slot = last;
+      bucket.offset = offsets[first];
       const int64_t end = offsets[last] + numels[last];
       bucket.flat = buffer->data().narrow(0, offsets[first], end - offsets[first]);
       for (int64_t s = first; s <= last; ++s) {
@@ -99,6 +116,18 @@ std::vector<Reducer::BucketRange> Reducer::bucket_ranges() const {
 
 int64_t Reducer::world_size() const {
   return process_group_ ? process_group_->getSize() : 1;
+}
+
+int64_t Reducer::bytes_per_step() const {
+  if (!reduces()) {
+    return 0;
+  }
+  int64_t bytes = 0;
+  for (const auto& bucket : buckets_) {
+    bytes += bucket.flat.numel() *
+        (exact_ ? kExactWireBytes : static_cast<int64_t>(bucket.flat.element_size()));
+  }
+  return bytes;
 }
 
 bool Reducer::reduces() const {
@@ -171,12 +200,52 @@ void Reducer::fold(Bucket& bucket) {
   bucket.pending_slots.clear();
   bucket.pending_grads.clear();
   bucket.pending_bytes = 0;
+  if (exact_) {
+    fold_exact(bucket, first_slots, first_grads, /*fresh=*/true);
+    fold_exact(bucket, later_slots, later_grads, /*fresh=*/false);
+    return;
+  }
   if (!first_slots.empty()) {
     buffer.accumulate_(first_slots, first_grads, weight_, /*overwrite=*/true);
   }
   if (!later_slots.empty()) {
     buffer.accumulate_(later_slots, later_grads, weight_, /*overwrite=*/false);
   }
+}
+
+// One kernel call per gradient: these passes are long next to a call's overhead.
+void Reducer::fold_exact(Bucket& bucket, const std::vector<int64_t>& slots,
+                         std::vector<at::Tensor>& grads, bool fresh) {
+  const GradBuffer& buffer = *buffers_[bucket.buffer];
+  const ExactState& state = exact_states_[bucket.buffer];
+  for (const auto k : c10::irange(slots.size())) {
+    const int64_t offset = buffer.offsets()[slots[k]];
+    const int64_t numel = buffer.numels()[slots[k]];
+    TORCH_CHECK(grads[k].numel() == numel, "the gradient of slot ", slots[k], " has ",
+                grads[k].numel(), " elements, expected ", numel);
+    exact_accumulate_(state.top.narrow(0, offset, numel),
+                      state.limbs[0].narrow(0, offset, numel),
+                      state.limbs[1].narrow(0, offset, numel),
+                      state.limbs[2].narrow(0, offset, numel), grads[k], weight_, fresh);
+    grads[k] = at::Tensor();  // freed now: see Note [Fold granularity]
+  }
+}
+
+at::Tensor Reducer::exact_slice(const at::Tensor& plane, const Bucket& bucket) const {
+  return plane.narrow(0, bucket.offset, bucket.flat.numel());
+}
+
+void Reducer::zero_run(int64_t buffer, int64_t first, int64_t last) {
+  if (!exact_) {
+    buffers_[buffer]->zero_slots_(first, last);
+    return;
+  }
+  const auto& offsets = buffers_[buffer]->offsets();
+  const int64_t begin = offsets[first];
+  const int64_t numel = offsets[last] + buffers_[buffer]->numels()[last] - begin;
+  const ExactState& state = exact_states_[buffer];
+  state.top.narrow(0, begin, numel).zero_();
+  state.limbs.narrow(1, begin, numel).zero_();
 }
 
 // Zeroes the runs of slots that received nothing in this step, so the bucket holds
@@ -194,7 +263,7 @@ void Reducer::make_final(Bucket& bucket) {
       written[slot] = 1;
       ++slot;
     }
-    buffers_[bucket.buffer]->zero_slots_(run_start, slot - 1);
+    zero_run(bucket.buffer, run_start, slot - 1);
   }
   bucket.final = true;
 }
@@ -254,7 +323,9 @@ void Reducer::abort_vn() {
 void Reducer::launch_ready() {
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].final) {
     Bucket& bucket = buckets_[next_launch_];
-    if (reduces()) {
+    if (exact_) {
+      start_exact_sum(next_launch_);
+    } else if (reduces()) {
       bucket.work = launch(bucket.flat, bucket_name(next_launch_));
     }
     ++next_launch_;
@@ -271,10 +342,11 @@ void Reducer::start_stats(const at::Tensor& stats) {
   }
 }
 
-c10::intrusive_ptr<c10d::Work> Reducer::launch(at::Tensor tensor, const std::string& what) {
+c10::intrusive_ptr<c10d::Work> Reducer::launch(at::Tensor tensor, const std::string& what,
+                                              c10d::ReduceOp::RedOpType op) {
   std::vector<at::Tensor> tensors{std::move(tensor)};
   c10d::AllreduceOptions options;
-  options.reduceOp = c10d::ReduceOp::SUM;
+  options.reduceOp = c10d::ReduceOp(op);
   options.timeout = timeout_;
   try {
     return process_group_->allreduce(tensors, options);
@@ -329,6 +401,14 @@ void Reducer::finalize(double factor, const std::vector<at::Tensor>& found_nonfi
     auto work = std::move(stats_work_);
     wait_for(work, kStatsName);
   }
+  if (exact_) {
+    for (const auto& bucket : buckets_) {
+      const ExactState& state = exact_states_[bucket.buffer];
+      exact_unpack_(exact_slice(reduces() ? state.global_top : state.top, bucket),
+                    exact_slice(state.wire, bucket), bucket.flat, factor);
+    }
+    factor = 1.0;  // applied by the unpacking; what is left below is the check
+  }
   last_wait_seconds_ =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   for (const auto b : c10::irange(buffers_.size())) {
@@ -340,6 +420,26 @@ void Reducer::finalize(double factor, const std::vector<at::Tensor>& found_nonfi
   }
   in_step_ = false;
   last_vn_ = false;
+}
+
+// See Note [Exact buckets]. Called with mutex_ held when bucket `index` is final.
+void Reducer::start_exact_sum(size_t index) {
+  Bucket& bucket = buckets_[index];
+  const ExactState& state = exact_states_[bucket.buffer];
+  const at::Tensor top = exact_slice(state.top, bucket);
+  at::Tensor global_top = top;
+  if (reduces()) {
+    global_top = exact_slice(state.global_top, bucket);
+    global_top.copy_(top);
+    const std::string what = "all-reduce (MAX) of the exponents of " + bucket_name(index);
+    wait_for(launch(global_top, what, c10d::ReduceOp::MAX), what);
+  }
+  const at::Tensor wire = exact_slice(state.wire, bucket);
+  exact_pack_(top, global_top, exact_slice(state.limbs[0], bucket),
+              exact_slice(state.limbs[1], bucket), exact_slice(state.limbs[2], bucket), wire);
+  if (reduces()) {
+    bucket.work = launch(wire, bucket_name(index));
+  }
 }
 
 void Reducer::discard() {

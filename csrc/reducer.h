@@ -49,6 +49,22 @@
 // a different order on different ranks (data-dependent graphs, parameters unused on
 // one rank). A completed bucket is launched only after all lower-numbered buckets
 // were; the step's statistics all-reduce (`start_stats`) goes before all buckets.
+//
+// Note [Exact buckets]
+// In exact mode (deterministic=True in Python) a bucket's gradients are folded into the
+// integer accumulators of Note [Exact accumulation] (exact.h) instead of the float
+// buffer, and a bucket is reduced in two collectives. When it becomes final in the
+// last VN, an all-reduce (MAX) of its top bins runs at once and the thread that made
+// the bucket final (autograd's) waits for it; the worker then packs its limbs against
+// the global top bins and starts the all-reduce (SUM) of the packed int64s
+// asynchronously, so the SUM overlaps the rest of backward as the float path's
+// all-reduce does. Waiting inside backward costs little: the MAX carries one byte per
+// element, and it only waits for the other workers to complete the same bucket.
+// Every rank issues stats, MAX 0, SUM 0, MAX 1, SUM 1, ... in that order (Note
+// [Launch order]). `finalize` waits for the SUMs and writes the float buffer by
+// unpacking them together with its factor.
+// One process (or a group of one) packs against its own top bins: the same integers
+// as the reduced path, since the sum is exact either way.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -62,6 +78,7 @@
 #include <string>
 #include <vector>
 
+#include "exact.h"
 #include "grad_buffer.h"
 
 namespace vflow {
@@ -92,7 +109,8 @@ class Reducer {
   // each) with accumulator dtype `dtypes[i]`, and cuts them into buckets (Note
   // [Buckets]). `process_group` may be null (one worker: nothing is reduced); a group
   // of size 1 reduces nothing either. `timeout` bounds every wait for a collective;
-  // `description` names the group in error messages.
+  // `description` names the group in error messages. With `exact`, gradients are summed
+  // exactly (Note [Exact buckets]); every dtype must then be float32.
   Reducer(
       const std::vector<std::vector<at::Tensor>>& groups,
       const std::vector<at::ScalarType>& dtypes,
@@ -100,7 +118,8 @@ class Reducer {
       int64_t bucket_cap_bytes,
       c10::intrusive_ptr<c10d::ProcessGroup> process_group,
       std::chrono::milliseconds timeout,
-      std::string description);
+      std::string description,
+      bool exact = false);
 
   const std::vector<std::shared_ptr<GradBuffer>>& buffers() const {
     return buffers_;
@@ -166,12 +185,29 @@ class Reducer {
     return early_launches_;
   }
   int64_t world_size() const;
+  bool exact() const {
+    return exact_;
+  }
+  // Bytes this worker hands to all-reduces in one step (the step's statistics
+  // excluded): the gradient buckets in their wire format, 0 without a group to reduce
+  // over. A ring all-reduce moves about 2 (W - 1) / W times this over each link.
+  int64_t bytes_per_step() const;
 
  private:
+  // Integer accumulators of one GradBuffer in exact mode, one entry per element of
+  // the flat buffer (padding included, which stays zero); see Note [Exact buckets].
+  struct ExactState {
+    at::Tensor top;         // int8: this worker's top bins
+    at::Tensor limbs;       // int32 [3, numel]: the carry-save limbs
+    at::Tensor global_top;  // int8: top bins all-reduced with MAX
+    at::Tensor wire;        // int64: packed sums, all-reduced with SUM
+  };
+
   struct Bucket {
     int64_t buffer;
     int64_t first_slot;
     int64_t last_slot;
+    int64_t offset;  // first element of `flat` in the flat buffer
     at::Tensor flat;  // the bucket's slice of the flat buffer
     std::vector<int64_t> pending_slots;  // arrived, not folded yet
     std::vector<at::Tensor> pending_grads;
@@ -187,14 +223,22 @@ class Reducer {
 
   bool reduces() const;
   void fold(Bucket& bucket);
+  void fold_exact(Bucket& bucket, const std::vector<int64_t>& slots,
+                  std::vector<at::Tensor>& grads, bool fresh);
+  void zero_run(int64_t buffer, int64_t first, int64_t last);
   void make_final(Bucket& bucket);
+  void start_exact_sum(size_t index);
+  at::Tensor exact_slice(const at::Tensor& plane, const Bucket& bucket) const;
   void launch_ready();
-  c10::intrusive_ptr<c10d::Work> launch(at::Tensor tensor, const std::string& what);
+  c10::intrusive_ptr<c10d::Work> launch(at::Tensor tensor, const std::string& what,
+                                        c10d::ReduceOp::RedOpType op = c10d::ReduceOp::SUM);
   [[noreturn]] void fail(const std::string& what, const std::string& cause) const;
   void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what);
   std::string bucket_name(size_t index) const;
 
   std::vector<std::shared_ptr<GradBuffer>> buffers_;
+  std::vector<ExactState> exact_states_;  // [buffer], exact mode only
+  bool exact_ = false;
   std::vector<Bucket> buckets_;
   std::vector<std::vector<int64_t>> bucket_of_slot_;  // [buffer][slot]
   // [buffer][slot]: written in this step (Note [First fold overwrites]).

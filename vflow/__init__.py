@@ -9,6 +9,7 @@ gradients in fused flat buffers, then all workers reduce and step once.
 from vflow._extension import _C
 from vflow.amp import LossScaler
 from vflow.batching import split_sizes
+from vflow.checkpoint import load, save
 from vflow.data import VNBatchSampler
 from vflow.distributed import CollectiveError
 from vflow.executor import Executor, PhaseTimings, StepResult
@@ -24,6 +25,8 @@ __all__ = [
     "StepResult",
     "VNBatchSampler",
     "VNSlice",
+    "load",
+    "save",
     "split_sizes",
 ]
 __version__ = "0.2.0"

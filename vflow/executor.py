@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
-from vflow import distributed, rng
+from vflow import checkpoint, distributed, rng
 from vflow._checks import require_int
+from vflow._extension import _C
 from vflow.amp import LossScaler
 from vflow.batching import Batch, batch_size, concat_outputs, map_batch, slice_batch
 from vflow.grads import GradAccumulator
@@ -129,6 +130,13 @@ class Executor:
             all-reduce starts early in backward.
         broadcast_parameters: with a process group, copy rank 0's parameters and
             buffers to every rank at construction (as DDP does), so replicas start equal.
+        deterministic: make training bitwise identical for a given V and seed whatever
+            the number of workers and the plan: gradients are summed exactly in integers
+            (Note [Exact accumulation] in csrc/exact.h), the loss and module buffers are
+            reduced VN by VN in VN order. Needs float32 accumulation and non-float64
+            parameters; a gradient that is inf/NaN or whose sum overflows float32 skips
+            the step with ``skip_nonfinite`` or else raises FloatingPointError. See
+            docs/reproducibility.md for the conditions and the cost.
     """
 
     def __init__(
@@ -151,6 +159,7 @@ class Executor:
         bucket_cap_mb: float = 25.0,
         first_bucket_mb: float = 1.0,
         broadcast_parameters: bool = True,
+        deterministic: bool = False,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -195,6 +204,10 @@ class Executor:
                 f"{type(loss_scale).__name__}"
             )
         params = self._trainable_params(model, optimizer)
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+        if deterministic:
+            self._check_deterministic_support(params, accumulate_dtype)
         owner = _OWNERS.get(model)
         if owner is not None and owner() is not None:
             raise ValueError(
@@ -223,6 +236,7 @@ class Executor:
                     first_bucket_bytes,
                     loss_scale if isinstance(loss_scale, (bool, type(None))) else "scaler",
                     skip_nonfinite,
+                    deterministic,
                 )
             )
             self._collectives.check_agreement(
@@ -232,8 +246,8 @@ class Executor:
                     (
                         "settings",
                         settings,
-                        f"(seed, amp, accumulate_dtype, buffer_rule, "
-                        f"max_grad_norm, bucket caps, loss_scale, skip_nonfinite) = {settings}",
+                        f"(seed, amp, accumulate_dtype, buffer_rule, max_grad_norm, bucket "
+                        f"caps, loss_scale, skip_nonfinite, deterministic) = {settings}",
                     ),
                 ]
             )
@@ -255,11 +269,14 @@ class Executor:
         else:
             self.scaler = None
         self.skip_nonfinite = self.scaler is not None if skip_nonfinite is None else skip_nonfinite
+        self.deterministic = deterministic
         self.step_count = 0
         self.skipped_steps = 0
         self._device = params[0].device
         self._devices = sorted({p.device for p in params}, key=str)
-        self._buffers = BufferRule(model, buffer_rule)
+        self._buffers = BufferRule(
+            model, buffer_rule, self.virtual_nodes if deterministic else None
+        )
         self._plan = plan
         self.process_group = group
         self.rank = 0 if group is None else group.rank()
@@ -272,6 +289,7 @@ class Executor:
             process_group=group,
             timeout=timeout,
             group_description="this process" if group is None else distributed.describe(group),
+            exact=deterministic,
         )
         _OWNERS[model] = weakref.ref(self)
 
@@ -291,6 +309,32 @@ class Executor:
         if self._collectives is not None:
             self._collectives.check_agreement([("plan", repr(plan), repr(plan))])
         self._plan = plan
+
+    def _check_deterministic_support(
+        self, params: list[torch.nn.Parameter], accumulate_dtype: torch.dtype
+    ) -> None:
+        if accumulate_dtype != torch.float32:
+            raise ValueError(
+                f"deterministic=True sums gradients exactly and converts them to float32 once; "
+                f"accumulate_dtype must be torch.float32, got {accumulate_dtype}"
+            )
+        wide = [tuple(p.shape) for p in params if p.dtype == torch.float64]
+        if wide:
+            raise ValueError(
+                f"deterministic=True supports float32, bfloat16 and float16 parameters; "
+                f"{len(wide)} trainable parameter(s) are float64 (first shape {wide[0]})"
+            )
+        if self.virtual_nodes > _C.EXACT_MAX_TERMS:
+            raise ValueError(
+                f"deterministic=True supports at most {_C.EXACT_MAX_TERMS} virtual nodes (the "
+                f"exact sums would overflow beyond), got virtual_nodes={self.virtual_nodes}"
+            )
+        if any(p.is_cuda for p in params) and not torch.are_deterministic_algorithms_enabled():
+            _log.warning(
+                "vflow: deterministic=True on CUDA also needs deterministic kernels in the "
+                "model: call torch.use_deterministic_algorithms(True) (see "
+                "docs/reproducibility.md)"
+            )
 
     @staticmethod
     def _trainable_params(
@@ -416,11 +460,11 @@ class Executor:
         self._grads.begin_step(self.step_count)
         scale = 1.0 if self.scaler is None else self.scaler.scale
         kind: str | None = None
-        loss_parts: list[torch.Tensor] = []
+        loss_parts: list[tuple[int, torch.Tensor]] = []
         item_parts: list[torch.Tensor] = []
         for position, (vn, start, size) in enumerate(slices):
             last = position == len(slices) - 1
-            vn_batch = slice_batch(batch, start, start + size)
+            vn_batch = self._vn_batch(batch, start, size)
             rng.seed_all(rng.vn_seed(self.seed, self.step_count, vn), self._devices)
             with self._autocast():
                 out = self.loss_fn(self.model, vn_batch)
@@ -434,17 +478,17 @@ class Executor:
             # Mean losses are weighted by VN size / B here; summed losses are added as
             # they are and divided by the global item count once all VNs have run.
             weight = size / total if kind == "mean" else 1.0
-            loss_parts.append(loss.detach().double() * weight)
+            loss_parts.append((vn, loss.detach().double() * weight))
             if kind == "sum":
                 item_parts.append(torch.as_tensor(items, dtype=torch.float64).to(self._device))
             if last:
                 stats = self._local_stats(loss_parts, item_parts, kind)
                 self._grads.start_stats(stats)
             self._grads.backward(loss.float() * scale if scale != 1.0 else loss, weight, last)
-            self._buffers.end_vn()
+            self._buffers.end_vn(vn)
         clock.mark()
         self._grads.wait_stats()
-        loss_total, items_total, sum_kind_workers, bad_items = stats.tolist()
+        loss_total, items_total, sum_kind_workers, bad_items = self._global_stats(stats)
         if sum_kind_workers not in (0, self.world_size):
             raise TypeError(
                 f"loss_fn returned (loss_sum, num_items) losses on {sum_kind_workers:g} of "
@@ -462,38 +506,69 @@ class Executor:
             num_items = items_total
             factor /= num_items
             loss_value = loss_total / num_items
-        found = self._grads.finish(factor, self.skip_nonfinite)
+        found = self._grads.finish(factor, self.skip_nonfinite or self.deterministic)
+        if self.deterministic and not self.skip_nonfinite and bool(found):
+            raise FloatingPointError(
+                f"vflow step {self.step_count}: a gradient of the global batch is inf or NaN, "
+                "or its exact sum does not fit float32 (deterministic=True never hands such a "
+                "sum to the optimizer); nothing was changed. Pass skip_nonfinite=True to skip "
+                "such steps instead"
+            )
         grad_norm = None
         if self.max_grad_norm is not None and not (found is not None and bool(found)):
             grad_norm = self._clip()
         clock.mark()
         return loss_value, num_items, found, grad_norm
 
+    def _vn_batch(self, batch: Batch, start: int, size: int) -> Batch:
+        vn_batch = slice_batch(batch, start, start + size)
+        if not self.deterministic:
+            return vn_batch
+        # A VN's slice starts at a different offset (and alignment) under different
+        # plans; some CPU kernels' summation order depends on the alignment of their
+        # input, so every VN gets a fresh, equally aligned copy.
+        return map_batch(vn_batch, lambda t: t.clone(memory_format=torch.contiguous_format))
+
     def _local_stats(
-        self, loss_parts: list[torch.Tensor], item_parts: list[torch.Tensor], kind: str
+        self,
+        loss_parts: list[tuple[int, torch.Tensor]],
+        item_parts: list[torch.Tensor],
+        kind: str,
     ) -> torch.Tensor:
-        """[weighted loss sum, item count, 1 if summed losses, VNs with an invalid item
-        count] of this worker's VNs, in float64 on the communication device, to be summed
-        over the workers."""
+        """This worker's part of the step's statistics, to be summed over the workers:
+        [V weighted VN losses | V VN item counts | 1 if summed losses | VNs with an
+        invalid item count], float64 on the communication device.
+
+        Every VN's values sit in their own slot, zero on the workers that did not run
+        it, so the sum over workers only ever adds zeros to a value: exact in any
+        order. The totals are then formed in VN order (``_global_stats``), which makes
+        the reported loss independent of the plan too.
+        """
         device = self._device if self._collectives is None else self._collectives.device
-        # Mean losses carry no item counts: B is known, so the count is left at 0.
-        items = (
-            torch.stack(item_parts)
-            if item_parts
-            else torch.zeros(1, dtype=torch.float64, device=self._device)
-        )
-        # Counted on the device, so that bad counts are seen by every worker without a
-        # host synchronisation before the last backward.
-        bad = ((items < 0) | ~torch.isfinite(items)).sum().double()
-        kind_flag = torch.tensor(1.0 if kind == "sum" else 0.0, dtype=torch.float64)
-        return torch.stack(
-            [
-                torch.stack(loss_parts).sum().to(device),
-                items.sum().to(device),
-                kind_flag.to(device),
-                bad.to(device),
-            ]
-        )
+        v = self.virtual_nodes
+        vns = torch.tensor([vn for vn, _ in loss_parts], device=self._device)
+        stats = torch.zeros(2 * v + 2, dtype=torch.float64, device=self._device)
+        stats[vns] = torch.stack([loss for _, loss in loss_parts]).to(self._device)
+        if item_parts:
+            items = torch.stack(item_parts).to(self._device)
+            stats[v + vns] = items
+            # Counted on the device, so that bad counts are seen by every worker
+            # without a host synchronisation before the last backward.
+            stats[2 * v + 1] = ((items < 0) | ~torch.isfinite(items)).sum().double()
+        stats[2 * v] = 1.0 if kind == "sum" else 0.0
+        return stats.to(device)
+
+    def _global_stats(self, stats: torch.Tensor) -> tuple[float, float, float, float]:
+        """(loss total, item total, workers with summed losses, invalid item counts)
+        from the all-reduced statistics, each total added in VN order."""
+        values = stats.tolist()
+        v = self.virtual_nodes
+        loss_total = 0.0
+        items_total = 0.0
+        for vn in range(v):
+            loss_total += values[vn]
+            items_total += values[v + vn]
+        return loss_total, items_total, values[2 * v], values[2 * v + 1]
 
     @staticmethod
     def _raise_bad_items(
@@ -629,6 +704,21 @@ class Executor:
 
     def _worker_ranges(self, total: int) -> list[tuple[int, int]]:
         return [self._plan.worker_range(w, total) for w in range(self.world_size)]
+
+    # ---- checkpoints ----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume training bit for bit on any number of workers:
+        model, optimizer, step counts, seed and loss scaler (see vflow.checkpoint)."""
+        self._check_open()
+        return checkpoint.executor_state_dict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores ``state`` from ``state_dict()``, written with any plan and any
+        number of workers for the same V. Raises before changing anything when
+        ``state`` does not fit this executor (see vflow.checkpoint)."""
+        self._check_open()
+        checkpoint.load_executor_state_dict(self, state)
 
     # ---- lifecycle ----------------------------------------------------------------
 

@@ -53,6 +53,7 @@ class GradAccumulator:
         process_group: torch.distributed.ProcessGroup | None = None,
         timeout: datetime.timedelta = datetime.timedelta(minutes=10),
         group_description: str = "the process group",
+        exact: bool = False,
     ) -> None:
         by_key: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
         for p in params:
@@ -67,6 +68,7 @@ class GradAccumulator:
             process_group=process_group,
             timeout_seconds=timeout.total_seconds(),
             description=group_description,
+            exact=exact,
         )
         self.groups: list[_Group] = []
         for members, buffer in zip(ordered, self.reducer.buffers, strict=True):

@@ -11,6 +11,12 @@ the end of the step is decided by one rule that does not look at workers:
 * ``"mean"`` — the mean over all V VNs of the values each produced, accumulated in
   float64. Integer buffers such as ``num_batches_tracked`` take VN 0's value.
 
+In deterministic mode the ``"mean"`` rule keeps one float64 row per VN instead of a
+running sum: rows of VNs run elsewhere are zero, so summing the rows over the workers
+is exact in any order, and the rows are then added in VN order, which gives the same
+bits for every plan. It costs V copies of the floating-point buffers (small next to
+the gradients for the models this targets).
+
 Changes cannot be detected through version counters: native kernels such as
 batch_norm update running statistics through raw pointers without bumping them. So
 every buffer is saved and restored by value; buffers are small next to parameters and
@@ -30,10 +36,12 @@ BUFFER_RULES = ("vn0", "mean")
 
 
 class BufferRule:
-    def __init__(self, model: torch.nn.Module, rule: str) -> None:
+    def __init__(self, model: torch.nn.Module, rule: str, vn_rows: int | None = None) -> None:
+        """``vn_rows``: V for the per-VN rows of deterministic mode, None otherwise."""
         if rule not in BUFFER_RULES:
             raise ValueError(f"buffer_rule must be one of {BUFFER_RULES}, got {rule!r}")
         self.rule = rule
+        self._vn_rows = vn_rows
         self._slots = [
             (module, name)
             for module in model.modules()
@@ -63,11 +71,20 @@ class BufferRule:
         self._vns = 0
 
     @torch.no_grad()
-    def end_vn(self) -> None:
-        """Records what the VN that just ran produced and restores the step's start values."""
+    def end_vn(self, vn: int) -> None:
+        """Records what VN ``vn``, which just ran, produced and restores the step's
+        start values."""
         for k in range(len(self._slots)):
             value = self._current(k).detach()
-            if self._vns == 0:
+            if self._vn_rows is not None and self._averaged(value):
+                if self._vns == 0:
+                    self._result.append(
+                        torch.zeros(
+                            (self._vn_rows, *value.shape), dtype=torch.float64, device=value.device
+                        )
+                    )
+                self._result[k][vn] = value
+            elif self._vns == 0:
                 self._result.append(
                     value.to(torch.float64, copy=True) if self._averaged(value) else value.clone()
                 )
@@ -98,6 +115,11 @@ class BufferRule:
     def commit(self) -> None:
         """Writes the rule's values into the model's buffers."""
         for k, value in enumerate(self._result):
+            if self._vn_rows is not None and self._averaged(value):
+                total = value[0].clone()
+                for row in value[1:]:
+                    total += row
+                value = total
             if self._averaged(value):
                 value = value / self._vns
             self._start[k].copy_(value)

@@ -1,0 +1,119 @@
+#include "exact.h"
+
+#include <c10/util/Exception.h>
+
+namespace vflow {
+namespace {
+
+void check_slice(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t numel,
+                 const at::Device& device) {
+  TORCH_CHECK(t.defined(), name, " must be a defined tensor");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.numel() == numel, name, " has ", t.numel(), " elements, expected ", numel);
+  TORCH_CHECK(t.device() == device, name, " is on ", t.device(), " but the first tensor is on ",
+              device);
+}
+
+void check_limbs(const at::Tensor& top, const at::Tensor& l0, const at::Tensor& l1,
+                 const at::Tensor& l2, const char* top_name) {
+  TORCH_CHECK(top.defined(), top_name, " must be a defined tensor");
+  TORCH_CHECK(top.device().is_cpu() || top.device().is_cuda(), top_name,
+              " must be on a CPU or CUDA device, got ", top.device());
+  check_slice(top, top_name, at::kChar, top.numel(), top.device());
+  check_slice(l0, "l0", at::kInt, top.numel(), top.device());
+  check_slice(l1, "l1", at::kInt, top.numel(), top.device());
+  check_slice(l2, "l2", at::kInt, top.numel(), top.device());
+}
+
+#ifndef VFLOW_WITH_CUDA
+[[noreturn]] void no_cuda(const char* what) {
+  TORCH_CHECK(false, what, ": this build of vflow has no CUDA kernels; rebuild with a CUDA "
+              "build of torch and nvcc available (see README, 'CUDA build')");
+}
+#endif
+
+} // namespace
+
+void exact_accumulate_(
+    const at::Tensor& top,
+    const at::Tensor& l0,
+    const at::Tensor& l1,
+    const at::Tensor& l2,
+    const at::Tensor& grad,
+    double weight,
+    bool fresh) {
+  check_limbs(top, l0, l1, l2, "top");
+  TORCH_CHECK(grad.defined(), "grad must be a defined tensor");
+  TORCH_CHECK(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16 ||
+                  grad.scalar_type() == at::kHalf,
+              "grad must be float32, bfloat16 or float16 for exact accumulation, got ",
+              grad.scalar_type());
+  TORCH_CHECK(grad.numel() == top.numel(), "grad has ", grad.numel(),
+              " elements but the accumulator has ", top.numel());
+  TORCH_CHECK(grad.device() == top.device(), "grad is on ", grad.device(),
+              " but the accumulator is on ", top.device());
+  if (top.numel() == 0) {
+    return;
+  }
+  // Rare (channels_last parameters): one contiguous copy keeps the kernels simple.
+  const at::Tensor dense = grad.contiguous();
+  if (top.is_cuda()) {
+#ifdef VFLOW_WITH_CUDA
+    exact_accumulate_cuda(top, l0, l1, l2, dense, weight, fresh);
+#else
+    no_cuda("exact_accumulate_");
+#endif
+  } else {
+    exact_accumulate_cpu(top, l0, l1, l2, dense, weight, fresh);
+  }
+}
+
+void exact_pack_(
+    const at::Tensor& local_top,
+    const at::Tensor& global_top,
+    const at::Tensor& l0,
+    const at::Tensor& l1,
+    const at::Tensor& l2,
+    const at::Tensor& wire) {
+  check_limbs(local_top, l0, l1, l2, "local_top");
+  check_slice(global_top, "global_top", at::kChar, local_top.numel(), local_top.device());
+  check_slice(wire, "wire", at::kLong, local_top.numel(), local_top.device());
+  if (local_top.numel() == 0) {
+    return;
+  }
+  if (local_top.is_cuda()) {
+#ifdef VFLOW_WITH_CUDA
+    exact_pack_cuda(local_top, global_top, l0, l1, l2, wire);
+#else
+    no_cuda("exact_pack_");
+#endif
+  } else {
+    exact_pack_cpu(local_top, global_top, l0, l1, l2, wire);
+  }
+}
+
+void exact_unpack_(const at::Tensor& global_top, const at::Tensor& wire, const at::Tensor& out,
+                   double factor) {
+  TORCH_CHECK(global_top.defined(), "global_top must be a defined tensor");
+  TORCH_CHECK(global_top.device().is_cpu() || global_top.device().is_cuda(),
+              "global_top must be on a CPU or CUDA device, got ", global_top.device());
+  check_slice(global_top, "global_top", at::kChar, global_top.numel(), global_top.device());
+  check_slice(wire, "wire", at::kLong, global_top.numel(), global_top.device());
+  check_slice(out, "out", at::kFloat, global_top.numel(), global_top.device());
+  if (global_top.numel() == 0) {
+    return;
+  }
+  if (global_top.is_cuda()) {
+#ifdef VFLOW_WITH_CUDA
+    exact_unpack_cuda(global_top, wire, out, factor);
+#else
+    no_cuda("exact_unpack_");
+#endif
+  } else {
+    exact_unpack_cpu(global_top, wire, out, factor);
+  }
+}
+
+} // namespace vflow
