@@ -15,6 +15,14 @@ Bandwidth: bytes moved = read grad + read acc + write acc. The memory-bandwidth 
 is measured in the same run as ``dst.copy_(src)`` over 256 MB of fp32, counting read +
 write bytes, interleaved with the methods above.
 
+A second table (``--exact-only`` runs only it, ``--no-exact`` skips it) times the exact
+kernels of deterministic mode (Note [Exact accumulation] in csrc/exact.h) on one flat
+fp32 gradient per size: ``exact_accumulate_`` fresh (4 B read + 13 B written per
+element) and adding (4 + 13 B read, 13 B written), ``exact_pack_`` (14 B + 8 B) and
+``exact_unpack_`` (9 B + 4 B), beside vflow's float fold (``multi_accumulate_``),
+``acc.add_(grad, alpha=w)`` and ``dst.copy_(src)`` of the same size, interleaved in the
+same rounds; on CPU on every vector path (avx2, portable) the CPU offers.
+
 Run ``python benchmarks/accumulate.py --help`` for options.
 """
 
@@ -227,37 +235,11 @@ def run_case(
     return times
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_common_args(parser)
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=None,
-        help="interleaved rounds per case (default 5, 1 with --quick)",
-    )
-    parser.add_argument(
-        "--min-run-time",
-        type=float,
-        default=None,
-        help="seconds per blocked_autorange call (default 0.4, 0.05 with --quick)",
-    )
-    parser.add_argument(
-        "--gpt2-layers",
-        type=int,
-        default=None,
-        help="transformer layers of the GPT-2 list (default 12, 2 with --quick)",
-    )
-    args = parser.parse_args(argv)
-    apply_threads(args.threads)
-    device = pick_device(args.device)
-    rounds = args.rounds or (1 if args.quick else 5)
-    min_run_time = args.min_run_time or (0.05 if args.quick else 0.4)
-    gpt2_layers = args.gpt2_layers or (2 if args.quick else 12)
-
-    env = environment(device)
-    print_header("vflow benchmark: fused gradient accumulation", env)
-
+def float_section(
+    device: torch.device, *, rounds: int, min_run_time: float, gpt2_layers: int, quick: bool
+) -> list[dict[str, Any]]:
+    """The fused float accumulation on real parameter lists against PyTorch: measures,
+    prints its tables and returns its JSON records."""
     lists = [("resnet50", resnet50_shapes()), (f"gpt2-{gpt2_layers}L", gpt2_shapes(gpt2_layers))]
     # Catch typos in the hand-built lists against the published model sizes.
     assert (len(lists[0][1]), numel(lists[0][1])) == (161, 25_557_032)
@@ -273,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
 
     copy_fn = make_copy(device)
     copy_times: list[float] = []
-    with_one_thread = device.type == "cpu" and torch.get_num_threads() > 1 and not args.quick
+    with_one_thread = device.type == "cpu" and torch.get_num_threads() > 1 and not quick
     measured: list[tuple[Case, dict[str, list[float]]]] = []
     for name, shapes in lists:
         for grad_dtype in (torch.float32, torch.bfloat16):
@@ -430,6 +412,370 @@ def main(argv: list[str] | None = None) -> int:
     print("\ntargets:")
     for line in targets:
         print(f"  {line}")
+    return records
+
+
+# ---- Exact (deterministic-mode) kernels: Note [Exact accumulation] in csrc/exact.h ----
+
+EXACT_COPY = "copy (dst.copy_(src))"
+EXACT_TORCH_ADD = "torch add_"
+EXACT_FOLD = "vflow float fold"
+EXACT_FRESH = "exact accumulate_ fresh"
+EXACT_ADD = "exact accumulate_ add"
+EXACT_PACK = "exact pack_"
+EXACT_UNPACK = "exact unpack_"
+# Bytes each kernel must move per element (fp32 gradient; 1 B top bin + 3 x 4 B limbs
+# = 13 B of exact accumulator): reads + writes, nothing counted twice.
+EXACT_BYTES = {
+    EXACT_COPY: 4 + 4,  # read src, write dst
+    EXACT_TORCH_ADD: 4 + 4 + 4,  # read grad, read + write acc
+    EXACT_FOLD: 4 + 4 + 4,
+    EXACT_FRESH: 4 + 13,  # read grad, write the accumulator without reading it
+    EXACT_ADD: 4 + 13 + 13,  # read grad, read + write the accumulator
+    EXACT_PACK: 1 + 1 + 12 + 8,  # read local + global top and limbs, write int64
+    EXACT_UNPACK: 1 + 8 + 4,  # read global top and int64, write fp32
+}
+# Kernels whose CPU code depends on set_cpu_vector_path (the others run the same code
+# on every path and are measured once per size).
+EXACT_PATH_KERNELS = (EXACT_FOLD, EXACT_FRESH, EXACT_ADD)
+EXACT_ORDER = (
+    EXACT_COPY,
+    EXACT_TORCH_ADD,
+    EXACT_FOLD,
+    EXACT_FRESH,
+    EXACT_ADD,
+    EXACT_PACK,
+    EXACT_UNPACK,
+)
+
+
+def mlp_numel(hidden: int = 1024, layers: int = 12, classes: int = 10) -> int:
+    """Parameters of distributed.py's MLP: `layers` Linear(hidden, hidden) and a head."""
+    return layers * (hidden * hidden + hidden) + hidden * classes + classes
+
+
+def exact_sizes(numels: list[int] | None, *, quick: bool) -> list[tuple[str, int]]:
+    if numels:
+        return [(f"{n:,}", n) for n in numels]
+    sizes = [("mlp 12x1024", mlp_numel())]
+    if not quick:
+        sizes.append(("resnet50", numel(resnet50_shapes())))
+    return sizes
+
+
+def exact_paths(device: torch.device) -> list[str]:
+    """The CPU vector paths to measure (all the CPU and build offer), or ["cuda"]."""
+    if device.type == "cuda":
+        return ["cuda"]
+    current = _C.cpu_vector_path()
+    try:
+        _C.set_cpu_vector_path("avx2")
+    except RuntimeError:  # no AVX2/FMA/F16C on this CPU or in this build
+        return ["portable"]
+    finally:
+        _C.set_cpu_vector_path(current)
+    return ["avx2", "portable"]
+
+
+@dataclass
+class ExactCase:
+    """The tensors of one size and one list of (kernel, vector path or None, call)."""
+
+    label: str
+    numel: int
+    methods: list[tuple[str, str | None, Callable[[], object]]]
+
+
+def build_exact_case(label: str, n: int, device: torch.device, paths: list[str]) -> ExactCase:
+    gen = torch.Generator(device=device).manual_seed(0)
+    grad = torch.randn(n, generator=gen, device=device)
+    top = torch.empty(n, dtype=torch.int8, device=device)
+    limbs = torch.empty(3, n, dtype=torch.int32, device=device)  # as the Reducer holds them
+    l0, l1, l2 = limbs
+    acc = torch.zeros(n, device=device)
+    src = torch.randn(n, generator=gen, device=device)
+    dst = torch.empty_like(src)
+    wire = torch.empty(n, dtype=torch.int64, device=device)
+    out = torch.empty(n, device=device)
+
+    # Correctness guard, per path: one contribution with a power-of-two weight is kept
+    # exactly, so fresh accumulate -> pack -> unpack must return WEIGHT * grad bit for
+    # bit; an add of the same contribution must double it. Before the first check the
+    # accumulators hold garbage, which fresh must not read.
+    expected = grad * WEIGHT
+    for path in paths:
+        if path != "cuda":
+            _C.set_cpu_vector_path(path)
+        top.fill_(5)
+        limbs.fill_(12345)
+        _C.exact_accumulate_(top, l0, l1, l2, grad, WEIGHT, True)
+        _C.exact_pack_(top, top, l0, l1, l2, wire)
+        _C.exact_unpack_(top, wire, out)
+        if not torch.equal(out, expected):
+            raise AssertionError(f"exact {label} ({path}): fresh round trip differs")
+        _C.exact_accumulate_(top, l0, l1, l2, grad, WEIGHT, False)
+        _C.exact_pack_(top, top, l0, l1, l2, wire)
+        _C.exact_unpack_(top, wire, out)
+        if not torch.equal(out, 2 * expected):
+            raise AssertionError(f"exact {label} ({path}): add differs from 2 x fresh")
+
+    # The timed state: this "worker" holds one contribution; the global top bins are the
+    # MAX over it and a second worker's, as in a 2-rank reduce (mostly equal, so pack
+    # takes the common branch, as in training).
+    _C.exact_accumulate_(top, l0, l1, l2, grad, WEIGHT, True)
+    other_top = torch.empty_like(top)
+    other_limbs = torch.empty_like(limbs)
+    other = torch.randn(n, generator=gen, device=device)
+    _C.exact_accumulate_(other_top, *other_limbs, other, WEIGHT, True)
+    global_top = torch.maximum(top, other_top)
+    del other_top, other_limbs, other
+    _C.exact_pack_(top, global_top, l0, l1, l2, wire)
+
+    # The add alternates the sign of the weight, which takes the limbs back to the same
+    # integers every second call: however often the timer calls it, no limb can grow
+    # towards int32 overflow (a real step adds at most EXACT_MAX_TERMS contributions).
+    sign = [1.0]
+
+    def exact_add() -> None:
+        sign[0] = -sign[0]
+        _C.exact_accumulate_(top, l0, l1, l2, grad, sign[0] * WEIGHT, False)
+
+    methods: list[tuple[str, str | None, Callable[[], object]]] = [
+        (EXACT_COPY, None, lambda: dst.copy_(src)),
+        (EXACT_TORCH_ADD, None, lambda: acc.add_(grad, alpha=WEIGHT)),
+    ]
+    # A path-dependent kernel also runs on CUDA, under the one "path" cuda.
+    for path in paths:
+        methods += [
+            (EXACT_FOLD, path, lambda: _C.multi_accumulate_([acc], [grad], WEIGHT)),
+            (
+                EXACT_FRESH,
+                path,
+                lambda: _C.exact_accumulate_(top, l0, l1, l2, grad, WEIGHT, True),
+            ),
+            (EXACT_ADD, path, exact_add),
+        ]
+    methods += [
+        (EXACT_PACK, None, lambda: _C.exact_pack_(top, global_top, l0, l1, l2, wire)),
+        (EXACT_UNPACK, None, lambda: _C.exact_unpack_(global_top, wire, out)),
+    ]
+    synchronize(device)
+    return ExactCase(label, n, methods)
+
+
+def run_exact_case(
+    case: ExactCase, device: torch.device, *, rounds: int, min_run_time: float
+) -> list[list[float]]:
+    """Blocks of seconds per call for each of case.methods, interleaved as run_case does."""
+    times: list[list[float]] = [[] for _ in case.methods]
+    order = list(range(len(case.methods)))
+    for r in range(rounds):
+        shift = r % len(order)
+        for i in order[shift:] + order[:shift]:
+            kernel, path, fn = case.methods[i]
+            if path is not None and path != "cuda":
+                _C.set_cpu_vector_path(path)
+            times[i] += time_blocks(
+                fn,
+                device,
+                min_run_time=min_run_time,
+                label=f"exact {case.label}",
+                description=f"{kernel} ({path})" if path else kernel,
+            )
+    return times
+
+
+def _exact_row_order(key: tuple[str, str | None], paths: list[str]) -> tuple[int, int, int]:
+    """Table order: the baselines (copy, add_), each path's kernels, then pack, unpack."""
+    kernel, path = key
+    group = 1 if path else (2 if kernel in (EXACT_PACK, EXACT_UNPACK) else 0)
+    return group, paths.index(path) if path else 0, EXACT_ORDER.index(kernel)
+
+
+def exact_section(
+    device: torch.device, sizes: list[tuple[str, int]], *, rounds: int, min_run_time: float
+) -> list[dict[str, Any]]:
+    """The exact kernels of deterministic mode against the float fold, torch's add_ and a
+    copy of the same size: measures, prints the table and returns the JSON records."""
+    paths = exact_paths(device)
+    threads = torch.get_num_threads()
+    print(
+        "\n== exact kernels (deterministic mode) ==\n"
+        f"sizes: {', '.join(f'{label} ({n:,} elements)' for label, n in sizes)}; "
+        f"fp32 gradients, weight {WEIGHT}\n"
+        f"{'vector paths' if device.type == 'cpu' else 'device'}: {', '.join(paths)}; "
+        f"torch threads {threads}\n"
+        f"{rounds} round(s) x blocked_autorange(min_run_time="
+        f"{min_run_time}) per kernel, interleaved with a copy of the same size\n",
+        flush=True,
+    )
+    measured: list[tuple[ExactCase, list[tuple[str, str | None]], list[list[float]]]] = []
+    saved_path = _C.cpu_vector_path()
+    try:
+        for label, n in sizes:
+            case = build_exact_case(label, n, device, paths)
+            print(f"measuring exact kernels, {label} ...", flush=True)
+            times = run_exact_case(case, device, rounds=rounds, min_run_time=min_run_time)
+            keys = [(kernel, path) for kernel, path, _ in case.methods]
+            case.methods = []  # frees the tensors
+            measured.append((case, keys, times))
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        _C.set_cpu_vector_path(saved_path)  # the correctness guard and timing switch it
+
+    records: list[dict[str, Any]] = []
+    rows: list[list[str]] = []
+    summary: list[str] = []
+    for case, keys, times in measured:
+        medians = {key: median(t) for key, t in zip(keys, times, strict=True)}
+        copy_s = medians[(EXACT_COPY, None)]
+        copy_gbps = EXACT_BYTES[EXACT_COPY] * case.numel / copy_s / 1e9
+        ordered = sorted(range(len(keys)), key=lambda i: _exact_row_order(keys[i], paths))
+        for i in ordered:
+            kernel, path = keys[i]
+            t = medians[(kernel, path)]
+            per_elem = EXACT_BYTES[kernel]
+            gbps = per_elem * case.numel / t / 1e9
+            fold_s = medians.get((EXACT_FOLD, path)) if path else None
+            vs_fold = t / fold_s if fold_s and kernel in (EXACT_FRESH, EXACT_ADD) else None
+            records.append(
+                {
+                    "benchmark": "exact",
+                    "size": case.label,
+                    "numel": case.numel,
+                    "kernel": kernel,
+                    "path": path,
+                    "grad_dtype": "fp32",
+                    "bytes_per_elem": per_elem,
+                    "bytes": per_elem * case.numel,
+                    "median_s": t,
+                    "iqr_s": iqr(times[i]),
+                    "ns_per_elem": t / case.numel * 1e9,
+                    "gbps": gbps,
+                    "copy_gbps": copy_gbps,
+                    "frac_copy": gbps / copy_gbps,
+                    "time_vs_float_fold": vs_fold,
+                    "threads": threads,
+                    "times_s": times[i],
+                }
+            )
+            rows.append(
+                [
+                    case.label,
+                    path or "-",
+                    kernel,
+                    str(per_elem),
+                    fmt_ms(t),
+                    f"{100 * iqr(times[i]) / t:.0f}%",
+                    f"{t / case.numel * 1e9:.2f}",
+                    f"{gbps:.1f}",
+                    f"{100 * gbps / copy_gbps:.0f}%",
+                    f"{vs_fold:.2f}x" if vs_fold else "",
+                ]
+            )
+        for path in paths:
+            add_s = medians[(EXACT_ADD, path)]
+            fold_s = medians[(EXACT_FOLD, path)]
+            summary.append(
+                f"{case.label}, {path}: exact add / float fold = {add_s / fold_s:.2f}x the "
+                f"time ({EXACT_BYTES[EXACT_ADD] / EXACT_BYTES[EXACT_FOLD]:.1f}x the bytes); "
+                f"copy {copy_gbps:.1f} GB/s"
+            )
+
+    print(
+        "\nexact kernels (median over all blocks; IQR relative to the median;\n"
+        "GB/s = B/elem x elements / median; % copy = GB/s / the copy's GB/s (same size);\n"
+        "vs fold = time / vflow float fold's time on the same path):"
+    )
+    print(
+        format_table(
+            [
+                "size",
+                "path",
+                "kernel",
+                "B/elem",
+                "median ms",
+                "IQR",
+                "ns/elem",
+                "GB/s",
+                "% copy",
+                "vs fold",
+            ],
+            rows,
+        )
+    )
+    for line in summary:
+        print(f"  {line}")
+    if device.type == "cpu":
+        print(
+            "(path '-': the same code on every path. On CPU, kernels that write without\n"
+            " reading (copy, fresh, pack, unpack) also pay write-allocate reads of their\n"
+            " output, which B/elem does not count; add, fold and add_ read it anyway.)"
+        )
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(parser)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="interleaved rounds per case (default 5, 1 with --quick)",
+    )
+    parser.add_argument(
+        "--min-run-time",
+        type=float,
+        default=None,
+        help="seconds per blocked_autorange call (default 0.4, 0.05 with --quick)",
+    )
+    parser.add_argument(
+        "--gpt2-layers",
+        type=int,
+        default=None,
+        help="transformer layers of the GPT-2 list (default 12, 2 with --quick)",
+    )
+    parser.add_argument(
+        "--exact-numel",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="element counts of the exact-kernel table (default: the distributed.py "
+        "model's 12.6 M and resnet50's 25.6 M; 12.6 M only with --quick)",
+    )
+    sections = parser.add_mutually_exclusive_group()
+    sections.add_argument(
+        "--exact-only", action="store_true", help="run only the exact-kernel table"
+    )
+    sections.add_argument("--no-exact", action="store_true", help="skip the exact-kernel table")
+    args = parser.parse_args(argv)
+    if args.exact_numel and min(args.exact_numel) < 1:
+        parser.error("--exact-numel: every N must be >= 1")
+    apply_threads(args.threads)
+    device = pick_device(args.device)
+    rounds = args.rounds or (1 if args.quick else 5)
+    min_run_time = args.min_run_time or (0.05 if args.quick else 0.4)
+    gpt2_layers = args.gpt2_layers or (2 if args.quick else 12)
+
+    env = environment(device)
+    print_header("vflow benchmark: fused gradient accumulation", env)
+
+    records: list[dict[str, Any]] = []
+    if not args.exact_only:
+        records += float_section(
+            device,
+            rounds=rounds,
+            min_run_time=min_run_time,
+            gpt2_layers=gpt2_layers,
+            quick=args.quick,
+        )
+    if not args.no_exact:
+        sizes = exact_sizes(args.exact_numel, quick=args.quick)
+        records += exact_section(device, sizes, rounds=rounds, min_run_time=min_run_time)
     return finish_run(args.json, records, env)
 
 

@@ -31,10 +31,10 @@ inline float widen(c10::Half v) {
 }
 
 // See Note [CPU vector paths] in accumulate_cpu.cpp: an AVX2 version of the loop is
-// selected at run time (set_cpu_vector_path switches both files' kernels). It performs
-// exactly the operations of exact::accumulate_one, four elements at a time: the
-// arithmetic is exact apart from weight * grad, which neither path contracts, so both
-// give the same integers (tested).
+// selected at run time (set_cpu_vector_path switches both files' kernels). It computes
+// what exact::accumulate_one computes, four elements at a time: every step is exact
+// apart from weight * grad, which neither path contracts, so both give the same
+// integers (tested).
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define VFLOW_EXACT_AVX2 1
 
@@ -53,10 +53,8 @@ __attribute__((target("avx2"))) void accumulate_range_avx2(
   const __m256d w = _mm256_set1_pd(weight);
   const __m256d abs_mask = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7FFFFFFFFFFFFFFFLL));
   const __m256d limit = _mm256_set1_pd(exact::pow2(exact::kOverflowExponent));
-  const __m256d down_hi = _mm256_set1_pd(exact::pow2(-2 * kBinBits));
-  const __m256d up_hi = _mm256_set1_pd(exact::pow2(2 * kBinBits));
-  const __m256d down_mid = _mm256_set1_pd(exact::pow2(-kBinBits));
-  const __m256d up_mid = _mm256_set1_pd(exact::pow2(kBinBits));
+  const __m256d magic = _mm256_set1_pd(exact::pow2(52));
+  const __m256i digit = _mm256_set1_epi64x((1 << kBinBits) - 1);
   const __m128i zero = _mm_setzero_si128();
   const __m128i nonfinite = _mm_set1_epi32(exact::kNonfinite);
   const __m128i one = _mm_set1_epi32(1);
@@ -99,11 +97,14 @@ __attribute__((target("avx2"))) void accumulate_range_avx2(
     const __m256d scale =
         _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_cvtepi32_epi64(scale_exponent), 52));
     const __m256d m = _mm256_mul_pd(m_in, scale);
-    __m128i d0 = _mm256_cvttpd_epi32(_mm256_mul_pd(m, down_hi));
-    const __m256d rest = _mm256_sub_pd(m, _mm256_mul_pd(_mm256_cvtepi32_pd(d0), up_hi));
-    __m128i d1 = _mm256_cvttpd_epi32(_mm256_mul_pd(rest, down_mid));
-    __m128i d2 = _mm256_cvttpd_epi32(
-        _mm256_sub_pd(rest, _mm256_mul_pd(_mm256_cvtepi32_pd(d1), up_mid)));
+    // trunc(m) + 2^52 holds trunc(m) < 2^48 in its low mantissa bits, exactly: the
+    // digits come out of integer shifts, with a far shorter dependency chain than
+    // three double -> int32 conversions.
+    const __m256i v = _mm256_castpd_si256(_mm256_add_pd(
+        _mm256_round_pd(m, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC), magic));
+    __m128i d0 = low_halves(_mm256_and_si256(_mm256_srli_epi64(v, 2 * kBinBits), digit));
+    __m128i d1 = low_halves(_mm256_and_si256(_mm256_srli_epi64(v, kBinBits), digit));
+    __m128i d2 = low_halves(_mm256_and_si256(v, digit));
     const __m128i negative = low_halves(
         _mm256_castpd_si256(_mm256_cmp_pd(y, _mm256_setzero_pd(), _CMP_LT_OQ)));
     d0 = _mm_sub_epi32(_mm_xor_si128(d0, negative), negative);
