@@ -32,18 +32,39 @@ inline float widen(c10::Half v) {
 
 // See Note [CPU vector paths] in accumulate_cpu.cpp: an AVX2 version of the loop is
 // selected at run time (set_cpu_vector_path switches both files' kernels). It computes
-// what exact::accumulate_one computes, four elements at a time: every step is exact
+// what exact::accumulate_one computes, eight elements at a time: every step is exact
 // apart from weight * grad, which neither path contracts, so both give the same
 // integers (tested).
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define VFLOW_EXACT_AVX2 1
 
-// The low 32 bits of each 64-bit lane (a lane mask stays a mask).
-__attribute__((target("avx2"))) inline __m128i low_halves(__m256i x) {
-  return _mm256_castsi256_si128(
-      _mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(0, 2, 4, 6, 0, 0, 0, 0)));
+// The low 32 bits of the four 64-bit lanes of `a`, then of `b`, as eight 32-bit lanes
+// (a lane mask stays a mask).
+__attribute__((target("avx2"))) inline __m256i low_halves(__m256i a, __m256i b) {
+  const __m256 mixed = _mm256_shuffle_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), 0x88);
+  return _mm256_permute4x64_epi64(_mm256_castps_si256(mixed), 0xD8);
 }
 
+__attribute__((target("avx2"))) inline __m256d widen_mask_low(__m256i mask) {
+  return _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(mask)));
+}
+
+__attribute__((target("avx2"))) inline __m256d widen_mask_high(__m256i mask) {
+  return _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm256_extracti128_si256(mask, 1)));
+}
+
+// 2^e for the eight int32 exponents of `e` (biased, as in a double's bit pattern).
+__attribute__((target("avx2"))) inline __m256d pow2_low(__m256i e) {
+  return _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(e)), 52));
+}
+
+__attribute__((target("avx2"))) inline __m256d pow2_high(__m256i e) {
+  return _mm256_castsi256_pd(
+      _mm256_slli_epi64(_mm256_cvtepi32_epi64(_mm256_extracti128_si256(e, 1)), 52));
+}
+
+// Eight elements per iteration: the doubles in two halves of four, everything on
+// integers (top bins, limbs, digits) in 32-bit lanes of one register.
 template <bool kFresh>
 __attribute__((target("avx2"))) void accumulate_range_avx2(
     int8_t* __restrict__ top, int32_t* __restrict__ l0, int32_t* __restrict__ l1,
@@ -54,79 +75,91 @@ __attribute__((target("avx2"))) void accumulate_range_avx2(
   const __m256d abs_mask = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7FFFFFFFFFFFFFFFLL));
   const __m256d limit = _mm256_set1_pd(exact::pow2(exact::kOverflowExponent));
   const __m256d magic = _mm256_set1_pd(exact::pow2(52));
+  const __m256d zero_pd = _mm256_setzero_pd();
   const __m256i digit = _mm256_set1_epi64x((1 << kBinBits) - 1);
-  const __m128i zero = _mm_setzero_si128();
-  const __m128i nonfinite = _mm_set1_epi32(exact::kNonfinite);
-  const __m128i one = _mm_set1_epi32(1);
-  const __m128i two = _mm_set1_epi32(2);
-  const __m128i exponent_bias = _mm_set1_epi32(1023 + exact::kLowestExponent);
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi32(-1);
+  const __m256i nonfinite = _mm256_set1_epi32(exact::kNonfinite);
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i two = _mm256_set1_epi32(2);
+  const __m256i exponent_bias = _mm256_set1_epi32(1023 + exact::kLowestExponent);
   // Biased exponent of 2^(181 - 16 t) is (181 + 1023) - 16 t.
-  const __m128i scale_base = _mm_set1_epi32(exact::kLimbs * kBinBits - kBinBits -
-                                            exact::kLowestExponent + 1023);
+  const __m256i scale_base = _mm256_set1_epi32(exact::kLimbs * kBinBits - kBinBits -
+                                               exact::kLowestExponent + 1023);
+  constexpr int kTrunc = _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC;
   int64_t i = begin;
-  for (; i + 4 <= end; i += 4) {
-    const __m256d y = _mm256_mul_pd(w, _mm256_cvtps_pd(_mm_loadu_ps(grad + i)));
-    __m128i t_old = zero;
-    __m128i a0 = zero;
-    __m128i a1 = zero;
-    __m128i a2 = zero;
+  for (; i + 8 <= end; i += 8) {
+    const __m256 g = _mm256_loadu_ps(grad + i);
+    const __m256d y_lo = _mm256_mul_pd(w, _mm256_cvtps_pd(_mm256_castps256_ps128(g)));
+    const __m256d y_hi = _mm256_mul_pd(w, _mm256_cvtps_pd(_mm256_extractf128_ps(g, 1)));
+    __m256i t_old = zero;
+    __m256i a0 = zero;
+    __m256i a1 = zero;
+    __m256i a2 = zero;
     if (!kFresh) {
-      int32_t packed_top;
-      std::memcpy(&packed_top, top + i, sizeof(packed_top));
-      t_old = _mm_cvtepi8_epi32(_mm_cvtsi32_si128(packed_top));
-      a0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l0 + i));
-      a1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l1 + i));
-      a2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l2 + i));
+      t_old = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(top + i)));
+      a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l0 + i));
+      a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l1 + i));
+      a2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l2 + i));
     }
-    const __m128i keep = _mm_cmpeq_epi32(t_old, nonfinite);
-    const __m256d magnitude = _mm256_and_pd(y, abs_mask);
-    const __m256d representable = _mm256_cmp_pd(magnitude, limit, _CMP_LT_OQ);
-    const __m128i representable32 = low_halves(_mm256_castpd_si256(representable));
-    const __m128i poison = _mm_andnot_si128(_mm_or_si128(keep, representable32),
-                                            _mm_set1_epi32(-1));
-    const __m256d use = _mm256_andnot_pd(_mm256_castsi256_pd(_mm256_cvtepi32_epi64(keep)),
-                                         representable);
-    const __m256d m_in = _mm256_and_pd(magnitude, use);
-    const __m128i biased = low_halves(_mm256_srli_epi64(_mm256_castpd_si256(m_in), 52));
-    const __m128i msb = _mm_sub_epi32(biased, exponent_bias);
-    const __m128i t = _mm_srai_epi32(_mm_max_epi32(msb, zero), 4);
-    const __m128i t_base = _mm_andnot_si128(keep, t_old);
-    const __m128i shift = _mm_max_epi32(_mm_sub_epi32(t, t_base), zero);
-    const __m128i t_new = _mm_add_epi32(t_base, shift);
-    const __m128i scale_exponent = _mm_sub_epi32(scale_base, _mm_slli_epi32(t_new, 4));
-    const __m256d scale =
-        _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_cvtepi32_epi64(scale_exponent), 52));
-    const __m256d m = _mm256_mul_pd(m_in, scale);
+    const __m256i keep = _mm256_cmpeq_epi32(t_old, nonfinite);
+    const __m256d mag_lo = _mm256_and_pd(y_lo, abs_mask);
+    const __m256d mag_hi = _mm256_and_pd(y_hi, abs_mask);
+    const __m256d fits_lo = _mm256_cmp_pd(mag_lo, limit, _CMP_LT_OQ);
+    const __m256d fits_hi = _mm256_cmp_pd(mag_hi, limit, _CMP_LT_OQ);
+    const __m256i representable =
+        low_halves(_mm256_castpd_si256(fits_lo), _mm256_castpd_si256(fits_hi));
+    const __m256i poison = _mm256_andnot_si256(_mm256_or_si256(keep, representable), ones);
+    const __m256d m_in_lo = _mm256_and_pd(mag_lo, _mm256_andnot_pd(widen_mask_low(keep), fits_lo));
+    const __m256d m_in_hi =
+        _mm256_and_pd(mag_hi, _mm256_andnot_pd(widen_mask_high(keep), fits_hi));
+    const __m256i biased = low_halves(_mm256_srli_epi64(_mm256_castpd_si256(m_in_lo), 52),
+                                      _mm256_srli_epi64(_mm256_castpd_si256(m_in_hi), 52));
+    const __m256i msb = _mm256_sub_epi32(biased, exponent_bias);
+    const __m256i t = _mm256_srai_epi32(_mm256_max_epi32(msb, zero), 4);
+    const __m256i t_base = _mm256_andnot_si256(keep, t_old);
+    const __m256i shift = _mm256_max_epi32(_mm256_sub_epi32(t, t_base), zero);
+    const __m256i t_new = _mm256_add_epi32(t_base, shift);
+    const __m256i scale_exponent = _mm256_sub_epi32(scale_base, _mm256_slli_epi32(t_new, 4));
     // trunc(m) + 2^52 holds trunc(m) < 2^48 in its low mantissa bits, exactly: the
     // digits come out of integer shifts, with a far shorter dependency chain than
-    // three double -> int32 conversions.
-    const __m256i v = _mm256_castpd_si256(_mm256_add_pd(
-        _mm256_round_pd(m, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC), magic));
-    __m128i d0 = low_halves(_mm256_and_si256(_mm256_srli_epi64(v, 2 * kBinBits), digit));
-    __m128i d1 = low_halves(_mm256_and_si256(_mm256_srli_epi64(v, kBinBits), digit));
-    __m128i d2 = low_halves(_mm256_and_si256(v, digit));
-    const __m128i negative = low_halves(
-        _mm256_castpd_si256(_mm256_cmp_pd(y, _mm256_setzero_pd(), _CMP_LT_OQ)));
-    d0 = _mm_sub_epi32(_mm_xor_si128(d0, negative), negative);
-    d1 = _mm_sub_epi32(_mm_xor_si128(d1, negative), negative);
-    d2 = _mm_sub_epi32(_mm_xor_si128(d2, negative), negative);
-    const __m128i same = _mm_cmpeq_epi32(shift, zero);
-    const __m128i by_one = _mm_cmpeq_epi32(shift, one);
-    const __m128i by_two = _mm_cmpeq_epi32(shift, two);
-    const __m128i s0 = _mm_and_si128(same, a0);
-    const __m128i s1 = _mm_or_si128(_mm_and_si128(same, a1), _mm_and_si128(by_one, a0));
-    const __m128i s2 = _mm_or_si128(
-        _mm_or_si128(_mm_and_si128(same, a2), _mm_and_si128(by_one, a1)),
-        _mm_and_si128(by_two, a0));
-    const __m128i r0 = _mm_blendv_epi8(_mm_andnot_si128(poison, _mm_add_epi32(s0, d0)), a0, keep);
-    const __m128i r1 = _mm_blendv_epi8(_mm_andnot_si128(poison, _mm_add_epi32(s1, d1)), a1, keep);
-    const __m128i r2 = _mm_blendv_epi8(_mm_andnot_si128(poison, _mm_add_epi32(s2, d2)), a2, keep);
-    const __m128i top_new = _mm_blendv_epi8(t_new, nonfinite, _mm_or_si128(keep, poison));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(l0 + i), r0);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(l1 + i), r1);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(l2 + i), r2);
-    const int32_t top_bytes = _mm_cvtsi128_si32(_mm_packs_epi16(_mm_packs_epi32(top_new, zero), zero));
-    std::memcpy(top + i, &top_bytes, sizeof(top_bytes));
+    // double -> int32 conversions.
+    const __m256i v_lo = _mm256_castpd_si256(_mm256_add_pd(
+        _mm256_round_pd(_mm256_mul_pd(m_in_lo, pow2_low(scale_exponent)), kTrunc), magic));
+    const __m256i v_hi = _mm256_castpd_si256(_mm256_add_pd(
+        _mm256_round_pd(_mm256_mul_pd(m_in_hi, pow2_high(scale_exponent)), kTrunc), magic));
+    __m256i d0 = low_halves(_mm256_and_si256(_mm256_srli_epi64(v_lo, 2 * kBinBits), digit),
+                            _mm256_and_si256(_mm256_srli_epi64(v_hi, 2 * kBinBits), digit));
+    __m256i d1 = low_halves(_mm256_and_si256(_mm256_srli_epi64(v_lo, kBinBits), digit),
+                            _mm256_and_si256(_mm256_srli_epi64(v_hi, kBinBits), digit));
+    __m256i d2 = low_halves(_mm256_and_si256(v_lo, digit), _mm256_and_si256(v_hi, digit));
+    const __m256i negative =
+        low_halves(_mm256_castpd_si256(_mm256_cmp_pd(y_lo, zero_pd, _CMP_LT_OQ)),
+                   _mm256_castpd_si256(_mm256_cmp_pd(y_hi, zero_pd, _CMP_LT_OQ)));
+    d0 = _mm256_sub_epi32(_mm256_xor_si256(d0, negative), negative);
+    d1 = _mm256_sub_epi32(_mm256_xor_si256(d1, negative), negative);
+    d2 = _mm256_sub_epi32(_mm256_xor_si256(d2, negative), negative);
+    const __m256i same = _mm256_cmpeq_epi32(shift, zero);
+    const __m256i by_one = _mm256_cmpeq_epi32(shift, one);
+    const __m256i by_two = _mm256_cmpeq_epi32(shift, two);
+    const __m256i s0 = _mm256_and_si256(same, a0);
+    const __m256i s1 = _mm256_or_si256(_mm256_and_si256(same, a1), _mm256_and_si256(by_one, a0));
+    const __m256i s2 = _mm256_or_si256(
+        _mm256_or_si256(_mm256_and_si256(same, a2), _mm256_and_si256(by_one, a1)),
+        _mm256_and_si256(by_two, a0));
+    const __m256i r0 =
+        _mm256_blendv_epi8(_mm256_andnot_si256(poison, _mm256_add_epi32(s0, d0)), a0, keep);
+    const __m256i r1 =
+        _mm256_blendv_epi8(_mm256_andnot_si256(poison, _mm256_add_epi32(s1, d1)), a1, keep);
+    const __m256i r2 =
+        _mm256_blendv_epi8(_mm256_andnot_si256(poison, _mm256_add_epi32(s2, d2)), a2, keep);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(l0 + i), r0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(l1 + i), r1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(l2 + i), r2);
+    const __m256i top_new = _mm256_blendv_epi8(t_new, nonfinite, _mm256_or_si256(keep, poison));
+    const __m128i top16 =
+        _mm_packs_epi32(_mm256_castsi256_si128(top_new), _mm256_extracti128_si256(top_new, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(top + i), _mm_packs_epi16(top16, top16));
   }
   for (; i < end; ++i) {
     const double y = weight * static_cast<double>(grad[i]);
