@@ -57,7 +57,7 @@ import math
 import os
 import pickle
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -607,24 +607,26 @@ def _check_loadable(value: Any, where: str) -> None:
     walk(value, where)
 
 
-def _clone_tree(value: Any) -> Any:
+def _map_tensors(
+    value: Any, fn: Callable[[torch.Tensor], torch.Tensor], leaf: Callable[[Any], Any]
+) -> Any:
+    """``value`` with every tensor in its dicts, lists and tuples replaced by ``fn(t)``
+    and every other leaf by ``leaf(x)``."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return fn(value)
     if isinstance(value, Mapping):
-        return {k: _clone_tree(v) for k, v in value.items()}
+        return {k: _map_tensors(v, fn, leaf) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_clone_tree(v) for v in value)
-    return value
+        return type(value)(_map_tensors(v, fn, leaf) for v in value)
+    return leaf(value)
+
+
+def _clone_tree(value: Any) -> Any:
+    return _map_tensors(value, lambda t: t.detach().clone(), lambda x: x)
 
 
 def _copy_to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, Mapping):
-        return {k: _copy_to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copy_to_cpu(v) for v in value)
-    return copy.deepcopy(value)
+    return _map_tensors(value, lambda t: t.detach().to("cpu", copy=True), copy.deepcopy)
 
 
 def _class_name(obj: object) -> str:
