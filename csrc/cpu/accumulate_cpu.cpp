@@ -12,6 +12,7 @@
 // multiply-add for vector bodies and tails alike), so a result depends only on the
 // path, never on where a tensor starts or how work was split between threads.
 #include "../ops.h"
+#include "cpu_common.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/irange.h>
@@ -31,16 +32,9 @@
 namespace vflow {
 namespace {
 
-// Work below this many elements runs on the calling thread: waking the pool costs
-// more than the pass itself.
-constexpr int64_t kGrainElems = 32768;
-
-inline float bf16_bits_to_float(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &wide, sizeof(out));
-  return out;
-}
+using cpu::bf16_bits_to_float;
+using cpu::kGrainElems;
+using cpu::widen;
 
 // ---- Portable path ----
 
@@ -48,20 +42,6 @@ inline float bf16_bits_to_float(uint16_t bits) {
 template <bool kOverwrite, typename T>
 inline T combine(T acc, T scaled) {
   return kOverwrite ? scaled : acc + scaled;
-}
-
-// Widens one stored gradient value to the accumulator type.
-inline float widen(float v) {
-  return v;
-}
-inline double widen(double v) {
-  return v;
-}
-inline float widen(c10::BFloat16 v) {
-  return bf16_bits_to_float(v.x);
-}
-inline float widen(c10::Half v) {
-  return static_cast<float>(v);
 }
 
 template <bool kOverwrite, typename A, typename G>

@@ -1,9 +1,11 @@
 // CPU backend of the exact accumulation kernels (Note [Exact accumulation] in exact.h).
-// Every element is computed by the same scalar function as on CUDA, so the bits do not
-// depend on how at::parallel_for splits the range.
+// An element's integers depend only on its own inputs (the portable, AVX2 and CUDA code
+// compute the same ones), so the bits do not depend on how at::parallel_for splits
+// the range.
 #include "../exact.h"
 
 #include "../ops.h"
+#include "cpu_common.h"
 
 #include <ATen/Parallel.h>
 
@@ -17,18 +19,8 @@
 namespace vflow {
 namespace {
 
-// Below this many elements the pass runs on the calling thread.
-constexpr int64_t kGrainElems = 32768;
-
-inline float widen(float v) {
-  return v;
-}
-inline float widen(c10::BFloat16 v) {
-  return static_cast<float>(v);
-}
-inline float widen(c10::Half v) {
-  return static_cast<float>(v);
-}
+using cpu::kGrainElems;
+using cpu::widen;
 
 // See Note [CPU vector paths] in accumulate_cpu.cpp: an AVX2 version of the loop is
 // selected at run time (set_cpu_vector_path switches both files' kernels). It computes
