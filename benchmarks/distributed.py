@@ -42,10 +42,9 @@ Overlap, per method (medians over repetitions):
   without the packing between).
 * vflow exposed = ``StepResult.timings.reduce_wait``, the host time spent waiting for
   bucket all-reduces after backward returned. hidden = 1 - exposed / standalone.
-  For the deterministic executor reduce_wait is its whole finalize: waiting for the
-  SUMs and unpacking the integers (its MAX waits and packing happen inside the last
-  backward, in 'last - other'); its hidden = 1 - exposed / standalone (deterministic
-  wire format).
+  For the deterministic executor reduce_wait is the wait for its SUMs (its MAX waits
+  and packing happen inside the last backward, in 'last - other'; unpacking follows
+  the wait); its hidden = 1 - exposed / standalone (deterministic wire format).
 * DDP exposed = (forward+backward time of the synchronising microbatch) - (that of a
   no_sync microbatch): DDP waits for its all-reduces at the end of the synchronising
   backward, so its extra time is the comm that backward did not hide, plus DDP's bucket
@@ -723,8 +722,8 @@ def print_results(r: dict[str, Any]) -> None:
         "after backward);\n"
         "    its 'last - other' shows how much the overlapped all-reduces slow the last "
         "VN's backward;\n"
-        "    deterministic: its whole finalize (wait for the SUMs, unpack); its MAX waits "
-        "and packing are in the last backward\n"
+        "    deterministic: the wait for its SUMs; its MAX waits and packing are in the "
+        "last backward, its unpacking in 'after bwd'\n"
         "  DDP exposed = last (synchronising) microbatch fwd+bwd - a no_sync one; DDP "
         "waits for its buckets inside that backward\n"
         "  hidden = 1 - exposed / all-reduce alone, clipped to [0, 1]\n"

@@ -401,6 +401,8 @@ void Reducer::finalize(double factor, const std::vector<at::Tensor>& found_nonfi
     auto work = std::move(stats_work_);
     wait_for(work, kStatsName);
   }
+  last_wait_seconds_ =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (exact_) {
     for (const auto& bucket : buckets_) {
       const ExactState& state = exact_states_[bucket.buffer];
@@ -409,8 +411,6 @@ void Reducer::finalize(double factor, const std::vector<at::Tensor>& found_nonfi
     }
     factor = 1.0;  // applied by the unpacking; what is left below is the check
   }
-  last_wait_seconds_ =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   for (const auto b : c10::irange(buffers_.size())) {
     if (found_nonfinite.empty()) {
       buffers_[b]->scale_(factor);
