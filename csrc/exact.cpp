@@ -1,5 +1,7 @@
 #include "exact.h"
 
+#include "ops.h"
+
 #include <c10/util/Exception.h>
 
 namespace vflow {
@@ -26,13 +28,6 @@ void check_limbs(const at::Tensor& top, const at::Tensor& l0, const at::Tensor& 
   check_slice(l1, "l1", at::kInt, top.numel(), top.device());
   check_slice(l2, "l2", at::kInt, top.numel(), top.device());
 }
-
-#ifndef VFLOW_WITH_CUDA
-[[noreturn]] void no_cuda(const char* what) {
-  TORCH_CHECK(false, what, ": this build of vflow has no CUDA kernels; rebuild with a CUDA "
-              "build of torch and nvcc available (see README, 'CUDA build')");
-}
-#endif
 
 } // namespace
 

@@ -27,13 +27,6 @@ void check_buffer(const at::Tensor& buf, const char* name) {
               name, " must be on a CPU or CUDA device, got ", buf.device());
 }
 
-#ifndef VFLOW_WITH_CUDA
-[[noreturn]] void no_cuda(const char* what) {
-  TORCH_CHECK(false, what, ": this build of vflow has no CUDA kernels; rebuild with a CUDA "
-              "build of torch and nvcc available (see README, 'CUDA build')");
-}
-#endif
-
 // Two accumulators sharing memory would be updated by different threads (CPU) or
 // blocks (CUDA) without ordering: a silent race. Rejecting overlap costs a sort of
 // the list, nothing next to the pass over the data.
@@ -52,6 +45,11 @@ void check_no_overlap(const std::vector<at::Tensor>& accs) {
 }
 
 } // namespace
+
+[[noreturn]] void no_cuda(const char* what) {
+  TORCH_CHECK(false, what, ": this build of vflow has no CUDA kernels; rebuild with a CUDA "
+              "build of torch and nvcc available (see README, 'CUDA build')");
+}
 
 void multi_accumulate_(
     const std::vector<at::Tensor>& accs,

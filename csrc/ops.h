@@ -76,4 +76,8 @@ std::string cpu_vector_path();
 // True when this build of the extension contains the CUDA kernels.
 bool built_with_cuda();
 
+// Raises the error a CUDA tensor gets from a build without the CUDA kernels; `what`
+// names the operation.
+[[noreturn]] void no_cuda(const char* what);
+
 } // namespace vflow
