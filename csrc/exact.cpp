@@ -18,12 +18,17 @@ void check_slice(const at::Tensor& t, const char* name, at::ScalarType dtype, in
               device);
 }
 
+// The tensor the others of a call are checked against (numel and device).
+void check_first(const at::Tensor& top, const char* name) {
+  TORCH_CHECK(top.defined(), name, " must be a defined tensor");
+  TORCH_CHECK(top.device().is_cpu() || top.device().is_cuda(), name,
+              " must be on a CPU or CUDA device, got ", top.device());
+  check_slice(top, name, at::kChar, top.numel(), top.device());
+}
+
 void check_limbs(const at::Tensor& top, const at::Tensor& l0, const at::Tensor& l1,
                  const at::Tensor& l2, const char* top_name) {
-  TORCH_CHECK(top.defined(), top_name, " must be a defined tensor");
-  TORCH_CHECK(top.device().is_cpu() || top.device().is_cuda(), top_name,
-              " must be on a CPU or CUDA device, got ", top.device());
-  check_slice(top, top_name, at::kChar, top.numel(), top.device());
+  check_first(top, top_name);
   check_slice(l0, "l0", at::kInt, top.numel(), top.device());
   check_slice(l1, "l1", at::kInt, top.numel(), top.device());
   check_slice(l2, "l2", at::kInt, top.numel(), top.device());
@@ -91,10 +96,7 @@ void exact_pack_(
 
 void exact_unpack_(const at::Tensor& global_top, const at::Tensor& wire, const at::Tensor& out,
                    double factor) {
-  TORCH_CHECK(global_top.defined(), "global_top must be a defined tensor");
-  TORCH_CHECK(global_top.device().is_cpu() || global_top.device().is_cuda(),
-              "global_top must be on a CPU or CUDA device, got ", global_top.device());
-  check_slice(global_top, "global_top", at::kChar, global_top.numel(), global_top.device());
+  check_first(global_top, "global_top");
   check_slice(wire, "wire", at::kLong, global_top.numel(), global_top.device());
   check_slice(out, "out", at::kFloat, global_top.numel(), global_top.device());
   if (global_top.numel() == 0) {
