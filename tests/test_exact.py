@@ -15,6 +15,7 @@ import random
 import pytest
 import torch
 
+from tests.conftest import devices, requires_cuda
 from vflow import _C
 
 SIZES = [0, 1, 97, 1025]
@@ -23,10 +24,10 @@ SIZES = [0, 1, 97, 1025]
 class Accumulator:
     """One worker's exact accumulators for n elements."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, device: str = "cpu") -> None:
         # Garbage rather than zeros: the first fold of a step must not read them.
-        self.top = torch.full((n,), 5, dtype=torch.int8)
-        self.limbs = torch.full((3, n), 12345, dtype=torch.int32)
+        self.top = torch.full((n,), 5, dtype=torch.int8, device=device)
+        self.limbs = torch.full((3, n), 12345, dtype=torch.int32, device=device)
         self.fresh = True
 
     def add(self, grad: torch.Tensor, weight: float) -> None:
@@ -199,8 +200,9 @@ def test_kernels_reject_bad_arguments() -> None:
         _C.exact_unpack_(acc.top, torch.zeros(4, dtype=torch.int64), torch.empty(3))
 
 
-def test_reducer_in_exact_mode_matches_the_kernels() -> None:
-    params = [torch.zeros(5, 3), torch.zeros(7)]
+@pytest.mark.parametrize("device", devices())
+def test_reducer_in_exact_mode_matches_the_kernels(device: str) -> None:
+    params = [torch.zeros(5, 3, device=device), torch.zeros(7, device=device)]
     reducer = _C.Reducer([params], [torch.float32], 1 << 20, 1 << 20, exact=True)
     assert reducer.exact and reducer.bytes_per_step == 0  # one process: nothing on the wire
     generator = torch.Generator().manual_seed(3)
@@ -211,10 +213,10 @@ def test_reducer_in_exact_mode_matches_the_kernels() -> None:
         # Parameter 1 gets no gradient from VN 1: it counts as zero.
         for slot, grad in enumerate(grads):
             if not (k == 1 and slot == 1):
-                reducer.add_grad(reducer.bucket_of(0, slot), slot, grad)
+                reducer.add_grad(reducer.bucket_of(0, slot), slot, grad.to(device))
         reducer.end_vn()
     reducer.finalize(1.0, [])
-    views = reducer.buffers[0].views()
+    views = [view.cpu() for view in reducer.buffers[0].views()]
     expected_15 = exact_sum([g[0].reshape(-1) for g in vns], [1 / 3] * 3, [3])
     expected_7 = exact_sum([vns[0][1], vns[2][1]], [1 / 3, 1 / 3], [2])
     assert torch.equal(views[0].reshape(-1), expected_15)
@@ -265,3 +267,42 @@ def test_the_factor_is_applied_before_the_conversion_to_float32() -> None:
     out = torch.empty(1)
     _C.exact_unpack_(global_top, total, out, 0.5)
     assert out.item() == torch.tensor(big).item()
+
+
+@requires_cuda
+@pytest.mark.parametrize("n", [1, 97, 1025, (1 << 20) + 3])
+def test_cuda_kernels_give_the_cpu_integers(n: int) -> None:
+    """Device and host share the per-element code (exact.h); this checks that the CUDA
+    build really computes the same integers, specials and half-precision inputs
+    included, so a result does not depend on where the sum was taken."""
+    generator = torch.Generator().manual_seed(n)
+    grads = [wide_range(n, generator, spread=60) for _ in range(7)]
+    grads[2][::7] = math.inf
+    grads[3][1::5] = math.nan
+    grads[4][::3] = 2.0**127  # with weight 3: beyond float32
+    grads[5] = grads[5].to(torch.bfloat16)
+    grads[6] = grads[6].clamp(-6e4, 6e4).to(torch.float16)
+    weights = [0.1, 1.0, 1 / 3, 1e-30, 3.0, 1e20, 0.7]
+    host, device = Accumulator(n), Accumulator(n, "cuda")
+    for g, w in zip(grads, weights, strict=True):
+        host.add(g, w)
+        device.add(g.cuda(), w)
+    assert torch.equal(device.top.cpu(), host.top)
+    assert torch.equal(device.limbs.cpu(), host.limbs)
+
+    other = Accumulator(n)
+    other.add(wide_range(n, generator, spread=60), 1.0)
+    global_top = torch.maximum(host.top, other.top)
+    wires = {}
+    for name, acc in (("cpu", host), ("cuda", device)):
+        wire = torch.empty(n, dtype=torch.int64, device=acc.top.device)
+        _C.exact_pack_(acc.top, global_top.to(acc.top.device), *acc.limbs, wire)
+        wires[name] = wire
+    assert torch.equal(wires["cuda"].cpu(), wires["cpu"])
+    outs = {}
+    for name, wire in wires.items():
+        out = torch.empty(n, device=wire.device)
+        _C.exact_unpack_(global_top.to(wire.device), wire, out, 0.25)
+        outs[name] = out.cpu()
+    # Bits, not values: NaN elements must match too.
+    assert torch.equal(outs["cuda"].view(torch.int32), outs["cpu"].view(torch.int32))

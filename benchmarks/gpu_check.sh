@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# GPU check for a machine like the project's target (one H200; torch 2.11+cu130,
+# Python 3.12, nvcc 13.0, no network). CI never has a GPU: this is the script to run
+# whenever one is at hand, and its closing table goes into the issue's closing note.
+#
+#   1. build: `pip install --no-build-isolation .` against the machine's own torch
+#      (sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise), VFLOW_CUDA=1 so a missing
+#      toolchain fails the build instead of quietly dropping the kernels;
+#   2. the CUDA tests: every test parametrised over devices, the exact kernels
+#      against the CPU's integers, the executor on the GPU;
+#   3. benchmarks/accumulate.py on the GPU: fused-accumulate GB/s against the copy
+#      bandwidth measured in the same run (target >= 85 %), and the exact kernels;
+#   4. benchmarks/step.py on the GPU: Executor.step against a hand-written loop.
+#
+# Usage: benchmarks/gpu_check.sh [LOG_DIR]
+#   LOG_DIR (or VFLOW_GPU_LOG_DIR): where full logs and JSON go (default ./gpu_check_logs).
+# Environment: PYTHON (default python3), MAX_JOBS (default: all cores),
+#   VFLOW_GPU_QUICK=1 for shorter benchmarks.
+# Exit status: non-zero if any stage failed; every stage runs regardless.
+set -uo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+LOG_DIR="${1:-${VFLOW_GPU_LOG_DIR:-$REPO_ROOT/gpu_check_logs}}"
+mkdir -p "$LOG_DIR" && LOG_DIR="$(cd "$LOG_DIR" && pwd)" || exit 1
+PYTHON="${PYTHON:-python3}"
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+export PYTHONUNBUFFERED=1
+cd "$REPO_ROOT"
+
+declare -a SUMMARY=()
+FAILED=0
+START=$SECONDS
+
+# run_stage NAME COMMAND...: runs COMMAND with its output in LOG_DIR/NAME.log.
+run_stage() {
+  local name="$1"
+  shift
+  local t0=$SECONDS
+  printf '\n=== %s (%ss elapsed)\n' "$name" "$((SECONDS - START))"
+  if "$@" >"$LOG_DIR/$name.log" 2>&1; then
+    SUMMARY+=("$(printf '%-12s %-6s %5ss' "$name" ok "$((SECONDS - t0))")")
+  else
+    FAILED=1
+    SUMMARY+=("$(printf '%-12s %-6s %5ss  (see %s)' "$name" FAILED "$((SECONDS - t0))" "$LOG_DIR/$name.log")")
+    tail -n 40 "$LOG_DIR/$name.log"
+  fi
+}
+
+environment() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$PYTHON" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name())'
+  nvcc --version | tail -n 1
+}
+
+# The tests import `vflow` from the source tree (its folder is first on sys.path), so
+# the extension that pip installed is placed beside the sources as an in-place build
+# would be; .gitignore already ignores it.
+build() {
+  VFLOW_CUDA=1 "$PYTHON" -m pip install --no-build-isolation --no-deps -v . || return 1
+  local so
+  so="$(cd /tmp && "$PYTHON" -c 'import vflow._C as c; print(c.__file__)')" || return 1
+  cp "$so" "$REPO_ROOT/vflow/"
+  "$PYTHON" -c 'import vflow; assert vflow._C.built_with_cuda(); print("built_with_cuda: True")'
+}
+
+cuda_tests() {
+  "$PYTHON" -m pytest -q -p no:cacheprovider -k "cuda" \
+    tests/test_kernels.py tests/test_exact.py tests/test_executor.py tests/test_grad_buffer.py \
+    tests/test_reducer.py tests/test_memory.py tests/test_tree.py
+}
+
+quick_flag=()
+[[ "${VFLOW_GPU_QUICK:-0}" == 1 ]] && quick_flag=(--quick)
+
+accumulate() {
+  "$PYTHON" benchmarks/accumulate.py --device cuda "${quick_flag[@]}" --rounds 3 \
+    --min-run-time 0.2 --json "$LOG_DIR/accumulate.json"
+}
+
+step() {
+  "$PYTHON" benchmarks/step.py --device cuda "${quick_flag[@]}" --reps 15 \
+    --json "$LOG_DIR/step.json"
+}
+
+run_stage environment environment
+run_stage build build
+if [[ $FAILED == 0 ]]; then
+  run_stage cuda_tests cuda_tests
+  run_stage accumulate accumulate
+  run_stage step step
+fi
+
+printf '\n=== GPU check summary (%ss in all; logs in %s)\n' "$((SECONDS - START))" "$LOG_DIR"
+cat "$LOG_DIR/environment.log" 2>/dev/null
+printf '%s\n' "${SUMMARY[@]}"
+grep -h -E '^[0-9]+ (passed|failed)|passed|failed' "$LOG_DIR/cuda_tests.log" 2>/dev/null | tail -n 1
+"$PYTHON" - "$LOG_DIR" <<'EOF'
+import json
+import sys
+from pathlib import Path
+
+log_dir = Path(sys.argv[1])
+rows = []
+acc = log_dir / "accumulate.json"
+if acc.exists():
+    for r in json.loads(acc.read_text()):
+        if r.get("benchmark") == "copy":
+            rows.append(("copy (limit)", "", f"{r['gbps']:.0f} GB/s", ""))
+        elif r.get("benchmark") == "accumulate" and r.get("method") == "vflow accumulate_" and r.get("status") == "ok":
+            rows.append((f"fused {r['list']} {r['grad_dtype']}", "", f"{r['gbps']:.0f} GB/s",
+                         f"{r['pct_copy']:.0f}% of copy, {r['speedup_vs_loop']:.2f}x loop"))
+        elif r.get("benchmark") == "exact":
+            rows.append((f"{r['kernel']} [{r['path']}] {r['size']}", "", f"{r['gbps']:.0f} GB/s",
+                         f"{100 * r['frac_copy']:.0f}% of copy, {r['ns_per_elem'] * 1e3:.1f} ps/elem"))
+st = log_dir / "step.json"
+if st.exists():
+    for r in json.loads(st.read_text()):
+        rows.append((f"step {r['model']} V={r['virtual_nodes']}", "",
+                     f"{r['vflow_median_s'] * 1e3:.2f} ms",
+                     f"hand loop {r['hand_median_s'] * 1e3:.2f} ms, ratio {r['ratio']:.2f}"))
+for name, _, value, note in rows:
+    print(f"{name:44s} {value:>10s}  {note}")
+EOF
+exit $FAILED
