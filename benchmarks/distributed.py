@@ -1,20 +1,36 @@
-"""vflow's Executor against PyTorch DDP + no_sync on 2 Gloo ranks on localhost.
+"""vflow's Executor (default and both deterministic kinds) against PyTorch DDP + no_sync
+on 2 Gloo ranks on localhost.
 
-The three methods train their own copy of one MLP (same initial weights, same
+The four methods train their own copy of one MLP (same initial weights, same
 ``SGD(lr=0.01, momentum=0.9)``) on the same global batch of B samples split into V
 virtual nodes (VNs); each of the 2 ranks runs the VNs ``vflow.Plan.even(V, 2)`` gives
 it, one after another.
 
-* vflow: ``Executor(model, opt, loss_fn, V)`` on the default group. During a rank's last
-  VN's backward the C++ Reducer starts each gradient bucket's async all-reduce as soon
-  as the bucket is complete.
-* vflow deterministic: the same executor (same V, plan, buckets, seed) with
-  ``deterministic=True``: gradients are summed exactly in integers, so training is
-  bitwise identical for any mapping of the VNs onto workers. When a bucket is complete
-  in the last VN's backward, its 1-byte top bins are all-reduced with MAX (waited for
-  there), the integers packed, and the int64 packed sums' SUM started asynchronously
-  (Note [Exact buckets] in csrc/reducer.h). Its cost is the ratio deterministic /
-  vflow (target <= 1.3).
+* vflow: ``Executor(model, opt, loss_fn, V)`` on the default group. A rank folds its
+  VNs' gradients into float32 buckets; during its last VN's backward the C++ Reducer
+  starts each bucket's async float32 SUM all-reduce as soon as the bucket is complete.
+* vflow deterministic (ordered): the same executor (same V, plan, buckets, seed) with
+  ``deterministic=True``, i.e. ``"ordered"``: gradients are added in float32 in one
+  binary tree over the V VN indices that depends on V alone (vflow/tree.py, Note
+  [Ordered sum] in csrc/reducer.h), so training is bitwise identical for any mapping of
+  the VNs onto workers and any backend. No all-reduce carries gradients (its summation
+  order is the backend's). A rank ends its VNs holding its partial sums (its cover of
+  the tree; C = 1 partial with the default aligned plan), each bucket is cut into W
+  shards, rank r owns shard r, and
+  - phase 1: each rank sends shard r of each of its partials to rank r (c10d
+    send/recv, started during the last VN's backward as each bucket becomes final);
+  - combine: rank r adds all ranks' partials of shard r in tree order (in finalize);
+  - phase 2: rank r sends its summed shard to every other rank (started in finalize,
+    bucket by bucket).
+  A rank sends (C(W-1) + (W-1)) / W times the bucket's bytes: with W = 2 and C = 1 as
+  much as the default path hands to all-reduce. Its cost is the ratio deterministic
+  (ordered) / vflow (target <= 1.3).
+* vflow deterministic (exact): the executor with ``deterministic="exact"``: gradients
+  are summed exactly in integers and rounded to float32 once. When a bucket is complete
+  in the last VN's backward, its int8 top bins are all-reduced with MAX (waited for
+  there), the integers packed, and the int64 packed sums' SUM all-reduce started
+  asynchronously (Note [Exact buckets] in csrc/reducer.h): 1 + 8 = 9 bytes per element
+  on the wire. Its ratio to vflow is printed for information (no target).
 * DDP: ``DistributedDataParallel(model, gradient_as_bucket_view=True, bucket_cap_mb=25)``;
   each rank runs its VN slices as microbatches, all but the last under ``no_sync()``,
   each loss scaled by ``n_i / B * world_size`` (DDP averages over ranks, so the result is
@@ -23,56 +39,75 @@ it, one after another.
   fresh gradient tensors land in newly mapped pages every step (``--ddp-zero-grad``).
   DDP all-reduces its buckets during the last microbatch's backward.
 
-Timing: after warm-up steps, each repetition runs one step of each method, cycling
-through the 6 orders of the three (so each goes first, second and last equally often
-over 6 repetitions), then the standalone all-reduces. Every timed step starts right
-after a barrier; a step's time is the slowest rank's (host wall clock), so the methods
-face the same drift and a ratio is the median over repetitions of the per-step ratio on
-the same batch (vflow / DDP, deterministic / DDP, deterministic / vflow).
+Timing: after warm-up steps, each repetition runs one step of each method, in the
+orders of a Williams design, taken in turn: 4 orders (a balanced Latin square) such that
+over every 4 repetitions each method runs once in each position and directly follows
+each other method exactly once, so that a warm-cache, post-switch or freed-memory
+effect of the method before falls on all methods alike (all 24 orders would balance
+only over 24 repetitions). Then the three standalone communication patterns run. Every
+timed step starts right after a barrier; a step's time is the slowest rank's (host wall
+clock), so the methods face the same drift and a ratio is the median over repetitions
+of the per-step ratio on the same batch (vflow / DDP, each deterministic kind / vflow
+and / DDP).
 
-Overlap, per method (medians over repetitions):
+Overlap, per method (medians over repetitions), each against a standalone run of its
+communication pattern with no compute running:
 
-* standalone all-reduce: the gradient's bytes all-reduced in vflow's bucket layout
-  (``Reducer.bucket_ranges()``: async all-reduces of the same slices of a scratch copy
-  of the flat buffer, then wait) with no compute running. DDP's buckets hold the same
-  bytes (vflow only adds 64-byte alignment padding).
-* standalone, deterministic wire format: the same buckets as int8 (MAX) then int64
-  (SUM) scratch tensors: every bucket's MAX started, then bucket by bucket its MAX
-  waited for and its SUM started, then all SUMs waited for (the reducer's order,
-  without the packing between).
-* vflow exposed = ``StepResult.timings.reduce_wait``, the host time spent waiting for
-  bucket all-reduces after backward returned. hidden = 1 - exposed / standalone.
-  For the deterministic executor reduce_wait is the wait for its SUMs (its MAX waits
-  and packing happen inside the last backward, in 'last - other'; unpacking follows
-  the wait); its hidden = 1 - exposed / standalone (deterministic wire format).
+* float32 all-reduce (vflow, DDP): the gradient's bytes all-reduced in vflow's bucket
+  layout (``Reducer.bucket_ranges()``: async all-reduces of the same slices of a scratch
+  copy of the flat buffer, then wait). DDP's buckets hold the same bytes (vflow only
+  adds 64-byte alignment padding).
+* ordered: the ordered executor's buckets as float32 scratch tensors, exchanged with
+  ``isend``/``irecv`` in its reducer's order: every bucket's phase 1 started first (each
+  partial's shard r sent to rank r, the other ranks' partials of the own shard
+  received), then bucket by bucket its phase 1 waited for, the partials of the own shard
+  added in tree order (the combine) and its phase 2 started (the own shard sent to every
+  other rank, theirs received into the bucket), then every phase 2 waited for. Tags
+  differ per bucket, partial and phase.
+* exact: the exact executor's buckets as int8 (MAX) then int64 (SUM) scratch tensors:
+  every bucket's MAX started, then bucket by bucket its MAX waited for and its SUM
+  started, then all SUMs waited for (the reducer's order, without the packing between).
+* exposed for the executors = ``StepResult.timings.reduce_wait``, the host time spent
+  blocked on gradient communication after backward returned. vflow: the wait for its
+  bucket all-reduces. Ordered: the waits for phase 1, the combine's adds and phase 2,
+  which is all its finalize does with the buckets (the same work as its standalone).
+  Exact: the wait for its SUMs (its MAX waits and packing happen inside the last
+  backward, in 'last - other'; unpacking follows the wait). hidden = 1 - exposed /
+  standalone (its own pattern's).
 * DDP exposed = (forward+backward time of the synchronising microbatch) - (that of a
   no_sync microbatch): DDP waits for its all-reduces at the end of the synchronising
   backward, so its extra time is the comm that backward did not hide, plus DDP's bucket
   copies and any slowdown of the compute by the communication thread.
   hidden = 1 - exposed / standalone.
 
-Both fractions are clipped to [0, 1]. They are not quite the same measure: vflow's
-excludes any slowdown of its last VN's backward (the communication thread competes for
-the same cores); the breakdown table shows it as "last - other".
+The fractions are clipped to [0, 1]. They are not quite the same measure: the
+executors' exclude any slowdown of their last VN's backward (the communication thread
+competes for the same cores); the breakdown table shows it as "last - other".
 
 The breakdown table splits each method's step into its phases and counts minor page
 faults per step: on CPU, gradients that land in freshly mapped memory cost a page
 fault per 4 KiB page, which can rival the arithmetic.
 
-Bytes communicated per step and rank (the payload each rank hands to all-reduce):
-vflow: ``Reducer.bytes_per_step`` (the buckets in their wire format: 4 bytes per
-float32 element; deterministic: 1 + 8 = 9 bytes per element) plus the step statistics
-all-reduce of 2V + 2 float64 values; DDP: 4 bytes per gradient element. A ring
-all-reduce moves about 2(W-1)/W times the payload over each rank's link.
+Bytes communicated per step and rank: vflow and exact: ``Reducer.bytes_per_step`` (the
+buckets in their wire format handed to all-reduce: 4 bytes per float32 element; exact:
+1 + 8 = 9 bytes per element); ordered: its ``Reducer.bytes_per_step``, the bytes it sends
+point to point (phase 1 + phase 2); each plus the step statistics all-reduce of 2V + 2
+float64 values. DDP: 4 bytes per gradient element handed to all-reduce. A ring
+all-reduce moves about 2(W-1)/W times its payload over each rank's link (1x for W = 2),
+so with 2 ranks and the default plan vflow, ordered and DDP move the same bytes.
 
 Correctness: after the timed steps all methods have taken the same number of steps on
 the same batches from the same parameters; the largest relative parameter difference
 (max |a - b| / max |b| per tensor, maximum over tensors) between vflow and DDP is
 printed. It is 0 when the VN weights n_i / B are powers of two (the defaults): both
 methods then compute the same float32 sums. Otherwise expect ~1e-6 (rounding of
-differently scaled sums). The deterministic executor rounds its exact sum once, so it
-differs slightly from both (max |a - b| printed); its two ranks must hold bitwise-equal
-parameters (checked and printed, as for the default executor).
+differently scaled sums). The ordered executor's largest absolute difference from vflow
+is 0 with the default V = 4 on 2 ranks: its tree sums ((g0 + g1) + (g2 + g3)) are then
+exactly the default path's (each rank folds its two VNs, the all-reduce adds the two
+ranks' sums); with more VNs per rank the default path folds them one after another and
+the two may differ by rounding. The exact executor rounds its exact sum once, so it
+differs slightly from the others (max |a - b| printed). Each method's two ranks must
+hold bitwise-equal parameters (checked and printed).
 
 Run ``python benchmarks/distributed.py --help`` for options.
 """
@@ -83,7 +118,6 @@ import argparse
 import contextlib
 import copy
 import faulthandler
-import itertools
 import json
 import multiprocessing as mp
 import os
@@ -118,14 +152,26 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import vflow
+from vflow import tree
 
 WORLD_SIZE = 2
 HOST = "127.0.0.1"
 CLASSES = 10
 TARGET_RATIO = 1.0  # vflow step time / DDP step time, printed (not asserted)
-# deterministic=True step time / default vflow step time, printed (not asserted)
+# deterministic="ordered" step time / default vflow step time, printed (not asserted).
+# The exact kind's ratio is printed for information, without a target.
 TARGET_DETERMINISTIC_RATIO = 1.3
-METHODS = ("vflow", "ddp", "det")  # "det": the executor with deterministic=True
+# "det": deterministic="ordered" (what deterministic=True means); "exact": the integer kind.
+METHODS = ("vflow", "ddp", "det", "exact")
+LABELS = {
+    "vflow": "vflow",
+    "ddp": "DDP + no_sync",
+    "det": "vflow deterministic (ordered)",
+    "exact": "vflow deterministic (exact)",
+}
+# Point-to-point tags of the standalone ordered pattern, (bucket * levels + partial) * 2
+# + phase as in the reducer: no two transfers in flight between two ranks share a tag.
+TAG_LEVELS = 64
 # How long a terminated rank gets to exit before it is killed outright.
 GRACE_S = 5.0
 
@@ -162,6 +208,29 @@ def make_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
+def balanced_orders(methods: Sequence[str]) -> list[tuple[str, ...]]:
+    """A Williams design: len(methods) orders in which every method takes every position
+    once and directly follows every other method once (needs an even count)."""
+    n = len(methods)
+    if n % 2:
+        raise ValueError(f"a Williams square of one order per method needs an even count, got {n}")
+    # Offsets 0, 1, n-1, 2, n-2, ...: consecutive differences are all distinct mod n.
+    offsets = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
+    return [tuple(methods[(row + c) % n] for c in offsets) for row in range(n)]
+
+
+def tag_of(bucket: int, partial: int, phase: int) -> int:
+    return (bucket * TAG_LEVELS + partial) * 2 + phase
+
+
+def transfer(tensor: torch.Tensor, peer: int, tag: int, *, send: bool) -> dist.Work:
+    """Starts a point-to-point send or receive on the default group."""
+    work = (dist.isend if send else dist.irecv)(tensor, peer, tag=tag)
+    if work is None:  # only for a rank outside the group, which no rank here is
+        raise RuntimeError(f"rank {dist.get_rank()} is not in the default group")
+    return work
+
+
 @dataclass
 class RankSeries:
     """One rank's measurements, one entry per timed repetition."""
@@ -172,22 +241,42 @@ class RankSeries:
     vflow_reduce: list[float] = field(default_factory=list)
     vflow_reduce_wait: list[float] = field(default_factory=list)
     vflow_optimizer: list[float] = field(default_factory=list)
-    # The same for the executor with deterministic=True.
+    vflow_faults: list[float] = field(default_factory=list)
+    # The same for the executor with deterministic="ordered" ...
     det_step: list[float] = field(default_factory=list)
     det_other_vn: list[float] = field(default_factory=list)
     det_last_vn: list[float] = field(default_factory=list)
     det_reduce: list[float] = field(default_factory=list)
     det_reduce_wait: list[float] = field(default_factory=list)
     det_optimizer: list[float] = field(default_factory=list)
+    det_faults: list[float] = field(default_factory=list)
+    # ... and with deterministic="exact".
+    exact_step: list[float] = field(default_factory=list)
+    exact_other_vn: list[float] = field(default_factory=list)
+    exact_last_vn: list[float] = field(default_factory=list)
+    exact_reduce: list[float] = field(default_factory=list)
+    exact_reduce_wait: list[float] = field(default_factory=list)
+    exact_optimizer: list[float] = field(default_factory=list)
+    exact_faults: list[float] = field(default_factory=list)
     ddp_step: list[float] = field(default_factory=list)
     ddp_other_mb: list[float] = field(default_factory=list)  # median of the no_sync ones
     ddp_last_mb: list[float] = field(default_factory=list)
     ddp_optimizer: list[float] = field(default_factory=list)
-    allreduce: list[float] = field(default_factory=list)
-    det_allreduce: list[float] = field(default_factory=list)  # int8 MAX + int64 SUM
-    vflow_faults: list[float] = field(default_factory=list)
     ddp_faults: list[float] = field(default_factory=list)
-    det_faults: list[float] = field(default_factory=list)
+    # Standalone communication: float32 all-reduce, ordered point-to-point pattern,
+    # int8 MAX + int64 SUM.
+    allreduce: list[float] = field(default_factory=list)
+    det_comm: list[float] = field(default_factory=list)
+    exact_allreduce: list[float] = field(default_factory=list)
+
+
+@dataclass
+class OrderedBucket:
+    """Scratch tensors of one bucket for the standalone ordered pattern."""
+
+    levels: list[torch.Tensor]  # this rank's partial sums; levels[0] receives the result
+    received: dict[int, list[torch.Tensor]]  # peer -> its partials of this rank's shard
+    bounds: list[int]  # shard r is [bounds[r], bounds[r + 1])
 
 
 class Bench:
@@ -200,13 +289,16 @@ class Bench:
         initial = mlp(cfg.hidden, cfg.layers)
         self.model_v = copy.deepcopy(initial)
         self.model_d = copy.deepcopy(initial)
-        self.model_x = copy.deepcopy(initial)
+        self.model_o = copy.deepcopy(initial)
+        self.model_e = copy.deepcopy(initial)
         self.params = sum(p.numel() for p in initial.parameters())
         self._vn_starts: list[float] = []
         self.ex = self._executor(self.model_v, deterministic=False)
-        self.ex_x = self._executor(self.model_x, deterministic=True)
-        if self.ex_x.plan != self.ex.plan:
-            raise RuntimeError(f"plans differ: {self.ex.plan} vs {self.ex_x.plan}")
+        self.ex_o = self._executor(self.model_o, deterministic="ordered")
+        self.ex_e = self._executor(self.model_e, deterministic="exact")
+        for other in (self.ex_o, self.ex_e):
+            if other.plan != self.ex.plan:
+                raise RuntimeError(f"plans differ: {self.ex.plan} vs {other.plan}")
         self.ddp = DistributedDataParallel(
             self.model_d, gradient_as_bucket_view=True, bucket_cap_mb=25
         )
@@ -224,29 +316,51 @@ class Bench:
             for _ in range(cfg.warmup + cfg.reps)
         ]
 
-        # A scratch copy, so that the standalone all-reduces neither change the
-        # gradients nor sum the same values up to overflow rep after rep.
+        # Scratch tensors, so that the standalone patterns neither change the gradients
+        # nor sum the same values up to overflow rep after rep (all are zeros).
         scratch = [torch.zeros_like(g.buffer.data) for g in self.ex._grads.groups]
         ranges = self.ex._grads.reducer.bucket_ranges()
         self.bucket_slices = [scratch[r.buffer].narrow(0, r.offset, r.numel) for r in ranges]
         self.bucket_mb = [s.numel() * s.element_size() / 2**20 for s in self.bucket_slices]
-        # The deterministic executor's buckets in its wire format: int8 top bins (MAX)
-        # and int64 packed sums (SUM), zeros so that the SUMs never overflow.
-        ranges_x = self.ex_x._grads.reducer.bucket_ranges()
-        self.det_bucket_slices = [
+        self._init_ordered_scratch()
+        # The exact executor's buckets in its wire format: int8 top bins (MAX) and int64
+        # packed sums (SUM).
+        self.exact_bucket_slices = [
             (torch.zeros(r.numel, dtype=torch.int8), torch.zeros(r.numel, dtype=torch.int64))
-            for r in ranges_x
+            for r in self.ex_e._grads.reducer.bucket_ranges()
         ]
-        # Payload each rank hands to all-reduce per step: the buckets in their wire
-        # format plus the step statistics (2V + 2 float64 values); DDP: fp32 gradients.
-        stats_bytes = (2 * cfg.virtual_nodes + 2) * 8
-        self.bytes_per_step = {
-            "vflow": self.ex._grads.reducer.bytes_per_step + stats_bytes,
-            "det": self.ex_x._grads.reducer.bytes_per_step + stats_bytes,
-            "ddp": 4 * sum(p.numel() for p in self.ddp.parameters() if p.requires_grad),
-        }
 
-    def _executor(self, model: nn.Module, *, deterministic: bool) -> vflow.Executor:
+    def _init_ordered_scratch(self) -> None:
+        # The tree schedule of the plan (as the ordered executor derives it): how many
+        # partial sums each rank contributes and the combine's merges, so the standalone
+        # moves and adds what the reducer does for any V, not only aligned plans.
+        plan, v = self.ex_o.plan, self.cfg.virtual_nodes
+        schedule = tree.schedule(
+            [(plan.vns(w).start, plan.vns(w).stop) for w in range(WORLD_SIZE)], self.rank, v
+        )
+        self.cover_counts = schedule.cover_counts
+        self.combine_merges = schedule.combine_merges
+        self.ordered_buckets: list[OrderedBucket] = []
+        for r in self.ex_o._grads.reducer.bucket_ranges():
+            # The reducer's shards: shard p of a bucket of n elements starts at n * p / W.
+            bounds = [r.numel * p // WORLD_SIZE for p in range(WORLD_SIZE + 1)]
+            own = bounds[self.rank + 1] - bounds[self.rank]
+            self.ordered_buckets.append(
+                OrderedBucket(
+                    levels=[
+                        torch.zeros(r.numel, dtype=torch.float32)
+                        for _ in range(self.cover_counts[self.rank])
+                    ],
+                    received={
+                        peer: [torch.zeros(own) for _ in range(self.cover_counts[peer])]
+                        for peer in range(WORLD_SIZE)
+                        if peer != self.rank
+                    },
+                    bounds=bounds,
+                )
+            )
+
+    def _executor(self, model: nn.Module, *, deterministic: bool | str) -> vflow.Executor:
         return vflow.Executor(
             model,
             make_optimizer(model.parameters()),
@@ -256,6 +370,18 @@ class Bench:
             timeout=self.cfg.collective_timeout_s,
             deterministic=deterministic,
         )
+
+    def payload_bytes(self) -> dict[str, int]:
+        """Bytes each rank communicates per step: the buckets in their wire format (the
+        ordered reducer's count follows the plan's tree, set by its first step) plus the
+        step statistics (2V + 2 float64 values); DDP: fp32 gradients."""
+        stats_bytes = (2 * self.cfg.virtual_nodes + 2) * 8
+        return {
+            "vflow": self.ex._grads.reducer.bytes_per_step + stats_bytes,
+            "deterministic": self.ex_o._grads.reducer.bytes_per_step + stats_bytes,
+            "exact": self.ex_e._grads.reducer.bytes_per_step + stats_bytes,
+            "ddp": 4 * sum(p.numel() for p in self.ddp.parameters() if p.requires_grad),
+        }
 
     def _vflow_loss(self, model: nn.Module, vn_batch: Batch) -> torch.Tensor:
         # The executor calls loss_fn at the start of each VN: these timestamps split
@@ -268,7 +394,10 @@ class Bench:
         return self._executor_step(self.ex, "vflow", batch, series)
 
     def det_step(self, batch: Batch, series: RankSeries | None) -> float:
-        return self._executor_step(self.ex_x, "det", batch, series)
+        return self._executor_step(self.ex_o, "det", batch, series)
+
+    def exact_step(self, batch: Batch, series: RankSeries | None) -> float:
+        return self._executor_step(self.ex_e, "exact", batch, series)
 
     def _executor_step(
         self, ex: vflow.Executor, name: str, batch: Batch, series: RankSeries | None
@@ -339,22 +468,85 @@ class Bench:
         if series is not None:
             series.allreduce.append(time.perf_counter() - t0)
 
-    def standalone_det_allreduce(self, series: RankSeries | None) -> None:
-        # The deterministic reducer's order: every bucket's MAX of the top bins, then in
-        # bucket order wait for its MAX and start its SUM (it packs in between).
+    def _ordered_phase1(self, index: int, bucket: OrderedBucket) -> list[dist.Work]:
+        # Per peer: receive its partials of this rank's shard, send it ours of its shard.
+        works: list[dist.Work] = []
+        for peer, slots in bucket.received.items():
+            for j, slot in enumerate(slots):
+                if slot.numel():
+                    works.append(transfer(slot, peer, tag_of(index, j, 0), send=False))
+            lo, hi = bucket.bounds[peer], bucket.bounds[peer + 1]
+            if hi > lo:
+                for j, level in enumerate(bucket.levels):
+                    works.append(transfer(level[lo:hi], peer, tag_of(index, j, 0), send=True))
+        return works
+
+    def _ordered_combine_and_phase2(self, index: int, bucket: OrderedBucket) -> list[dist.Work]:
+        lo, hi = bucket.bounds[self.rank], bucket.bounds[self.rank + 1]
+        # Every rank's partials of the own shard in VN order (rank order), pushed through
+        # the stack with the schedule's merges, as the reducer's combine does.
+        partials = [
+            p
+            for peer in range(WORLD_SIZE)
+            for p in (
+                [level[lo:hi] for level in bucket.levels]
+                if peer == self.rank
+                else bucket.received[peer]
+            )
+        ]
+        stack: list[torch.Tensor] = []
+        for partial, merges in zip(partials, self.combine_merges, strict=True):
+            stack.append(partial)
+            for _ in range(merges):
+                right = stack.pop()
+                stack[-1].add_(right)
+        result = bucket.levels[0][lo:hi]
+        if hi > lo and stack[0].data_ptr() != result.data_ptr():
+            result.copy_(stack[0])
+        works: list[dist.Work] = []
+        for peer in range(WORLD_SIZE):
+            if peer == self.rank:
+                continue
+            if hi > lo:
+                works.append(transfer(result, peer, tag_of(index, 0, 1), send=True))
+            peer_lo, peer_hi = bucket.bounds[peer], bucket.bounds[peer + 1]
+            if peer_hi > peer_lo:
+                theirs = bucket.levels[0][peer_lo:peer_hi]
+                works.append(transfer(theirs, peer, tag_of(index, 0, 1), send=False))
+        return works
+
+    def standalone_ordered(self, series: RankSeries | None) -> None:
+        # The ordered reducer's order: every bucket's phase 1 first (the reducer starts
+        # them during backward), then per bucket: wait, combine, start phase 2, so one
+        # bucket's phase 2 overlaps the next one's phase 1; then wait for every phase 2.
+        t0 = time.perf_counter()
+        phase1 = [self._ordered_phase1(b, bucket) for b, bucket in enumerate(self.ordered_buckets)]
+        phase2: list[dist.Work] = []
+        for b, (bucket, works) in enumerate(zip(self.ordered_buckets, phase1, strict=True)):
+            for work in works:
+                work.wait()
+            phase2 += self._ordered_combine_and_phase2(b, bucket)
+        for work in phase2:
+            work.wait()
+        if series is not None:
+            series.det_comm.append(time.perf_counter() - t0)
+
+    def standalone_exact(self, series: RankSeries | None) -> None:
+        # The exact reducer's order: every bucket's MAX of the top bins, then in bucket
+        # order wait for its MAX and start its SUM (it packs in between).
         t0 = time.perf_counter()
         max_works = [
             dist.all_reduce(top, op=dist.ReduceOp.MAX, async_op=True)
-            for top, _ in self.det_bucket_slices
+            for top, _ in self.exact_bucket_slices
         ]
         sum_works = []
-        for work, (_, wire) in zip(max_works, self.det_bucket_slices, strict=True):
+        for work, (_, wire) in zip(max_works, self.exact_bucket_slices, strict=True):
             work.wait()
             sum_works.append(dist.all_reduce(wire, async_op=True))
         for work in sum_works:
             work.wait()
         if series is not None:
-            series.det_allreduce.append(time.perf_counter() - t0)
+            series.exact_allreduce.append(time.perf_counter() - t0)
 
     def max_param_diffs(self) -> dict[str, float]:
         """Largest parameter differences between the methods' models: relative (max
@@ -370,9 +562,12 @@ class Bench:
 
         return {
             "vflow_vs_ddp_rel": worst(self.model_v, self.model_d, True),
-            "det_vs_vflow_abs": worst(self.model_x, self.model_v, False),
-            "det_vs_vflow_rel": worst(self.model_x, self.model_v, True),
-            "det_vs_ddp_rel": worst(self.model_x, self.model_d, True),
+            "det_vs_vflow_abs": worst(self.model_o, self.model_v, False),
+            "det_vs_vflow_rel": worst(self.model_o, self.model_v, True),
+            "det_vs_ddp_rel": worst(self.model_o, self.model_d, True),
+            "exact_vs_vflow_abs": worst(self.model_e, self.model_v, False),
+            "exact_vs_vflow_rel": worst(self.model_e, self.model_v, True),
+            "exact_vs_ddp_rel": worst(self.model_e, self.model_d, True),
         }
 
     def mismatches_with_rank0(self, model: nn.Module) -> int:
@@ -392,8 +587,9 @@ class Bench:
             "vflow": self.vflow_step,
             "ddp": self.ddp_step,
             "det": self.det_step,
+            "exact": self.exact_step,
         }
-        standalone = [self.standalone_allreduce, self.standalone_det_allreduce]
+        standalone = [self.standalone_allreduce, self.standalone_ordered, self.standalone_exact]
         for k in range(cfg.warmup):
             for fn in methods.values():
                 dist.barrier()
@@ -402,9 +598,7 @@ class Bench:
                 dist.barrier()
                 measure(None)
         series = RankSeries()
-        # All 6 orders in turn: over 6 repetitions each method runs first, second and
-        # last equally often, so a warm-cache or post-switch penalty falls on all.
-        orders = list(itertools.permutations(METHODS))
+        orders = balanced_orders(METHODS)
         for rep in range(cfg.reps):
             for name in orders[rep % len(orders)]:
                 # Both ranks start the step together, so no method's time contains the
@@ -436,6 +630,7 @@ def summarise(
     ranks: list[RankSeries],
     diffs: dict[str, float],
     mismatches: dict[str, int],
+    nbytes: dict[str, int],
 ) -> dict[str, Any]:
     """One record from every rank's series: step times are the slowest rank's, phase
     times the mean over ranks, each then taken as a median over repetitions."""
@@ -452,15 +647,12 @@ def summarise(
     def paired(a: list[float], b: list[float]) -> list[float]:
         return [x / y for x, y in zip(a, b, strict=True)]
 
-    v_step, d_step, x_step = slowest("vflow_step"), slowest("ddp_step"), slowest("det_step")
-    allreduce, det_allreduce = slowest("allreduce"), slowest("det_allreduce")
+    v_step, d_step = slowest("vflow_step"), slowest("ddp_step")
     ratios = paired(v_step, d_step)
-    x_ratios = paired(x_step, v_step)  # deterministic / default vflow
-    x_ddp_ratios = paired(x_step, d_step)
-    standalone, det_standalone = median(allreduce), median(det_allreduce)
-
+    allreduce = slowest("allreduce")
+    standalone = median(allreduce)
     d_other, d_last = med(mean("ddp_other_mb")), med(mean("ddp_last_mb"))
-    v_wait, x_wait = med(mean("vflow_reduce_wait")), med(mean("det_reduce_wait"))
+    v_wait = med(mean("vflow_reduce_wait"))
     d_exposed = None if d_other is None or d_last is None else d_last - d_other
 
     def executor_phases(name: str) -> dict[str, float | None]:
@@ -473,9 +665,47 @@ def summarise(
             "page_faults": med(mean(f"{name}_faults")),
         }
 
+    def kind(prefix: str, name: str, comm: str) -> dict[str, Any]:
+        """A deterministic kind's fields, named ``{prefix}_...``; ``name`` is its method
+        key, ``comm`` its standalone series."""
+        step = slowest(f"{name}_step")
+        vs_vflow = paired(step, v_step)
+        vs_ddp = paired(step, d_step)
+        comm_times = slowest(comm)
+        wait = med(mean(f"{name}_reduce_wait"))
+        return {
+            f"{prefix}_median_s": median(step),
+            f"{prefix}_iqr_s": iqr(step),
+            # This kind / default vflow, per step on the same batch.
+            f"{prefix}_ratio": median(vs_vflow),
+            f"{prefix}_ratio_iqr": iqr(vs_vflow),
+            f"{prefix}_ratio_min": min(vs_vflow),
+            f"{prefix}_ratio_max": max(vs_vflow),
+            f"{prefix}_ratio_of_medians": median(step) / median(v_step),
+            f"{prefix}_vs_ddp_ratio": median(vs_ddp),
+            f"{prefix}_vs_ddp_ratio_iqr": iqr(vs_ddp),
+            f"{prefix}_vs_ddp_ratio_min": min(vs_ddp),
+            f"{prefix}_vs_ddp_ratio_max": max(vs_ddp),
+            # Its own communication pattern with nothing else running.
+            f"{prefix}_allreduce_standalone_s": median(comm_times),
+            f"{prefix}_allreduce_standalone_iqr_s": iqr(comm_times),
+            f"{prefix}_exposed_s": wait,
+            f"{prefix}_hidden": _hidden(wait, median(comm_times)),
+            f"{prefix}_vs_vflow_max_abs_diff": diffs[f"{name}_vs_vflow_abs"],
+            f"{prefix}_vs_vflow_max_rel_diff": diffs[f"{name}_vs_vflow_rel"],
+            f"{prefix}_vs_ddp_max_rel_diff": diffs[f"{name}_vs_ddp_rel"],
+            # Parameter elements whose bits differ between the ranks (0: bitwise equal).
+            f"{prefix}_rank_mismatches": mismatches[name],
+            f"{prefix}_times_s": step,
+            f"{prefix}_ratios": vs_vflow,
+            f"{prefix}_allreduce_times_s": comm_times,
+        }
+
+    ordered = kind("deterministic", "det", "det_comm")
     phases = {
         "vflow": executor_phases("vflow"),
         "deterministic": executor_phases("det"),
+        "exact": executor_phases("exact"),
         "ddp": {
             "other_mb_fwd_bwd": d_other,
             "last_mb_fwd_bwd": d_last,
@@ -493,19 +723,19 @@ def summarise(
         "global_batch": cfg.batch_size,
         "vn_sizes": [s.size for s in bench.ex.plan.slices(cfg.batch_size)],
         "plan": repr(bench.ex.plan),
+        # Partial sums per rank of the ordered kind's tree (1 each with the default plan).
+        "ordered_cover_counts": list(bench.cover_counts),
         "optimizer": "SGD(lr=0.01, momentum=0.9)",
         "ddp_zero_grad_set_to_none": cfg.ddp_set_to_none,
         "threads_per_rank": cfg.threads,
         "warmup_steps": cfg.warmup,
         "measured_steps": cfg.reps,
+        "method_orders": [list(order) for order in balanced_orders(METHODS)],
         "buckets_mb": bench.bucket_mb,
-        # Payload per step and rank handed to all-reduce (a ring moves about
-        # 2 (W - 1) / W times it over each rank's link).
-        "bytes_per_step": {
-            "vflow": bench.bytes_per_step["vflow"],
-            "deterministic": bench.bytes_per_step["det"],
-            "ddp": bench.bytes_per_step["ddp"],
-        },
+        # Bytes per step and rank: handed to all-reduce (vflow, exact, DDP; a ring moves
+        # about 2 (W - 1) / W times it over each rank's link) or sent point to point
+        # (deterministic, i.e. the ordered kind).
+        "bytes_per_step": nbytes,
         "stats_bytes_per_step": (2 * cfg.virtual_nodes + 2) * 8,
         "vflow_median_s": median(v_step),
         "ddp_median_s": median(d_step),
@@ -516,43 +746,25 @@ def summarise(
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
         "ratio_of_medians": median(v_step) / median(d_step),
-        "deterministic_median_s": median(x_step),
-        "deterministic_iqr_s": iqr(x_step),
-        # Deterministic / default vflow, per step on the same batch.
-        "deterministic_ratio": median(x_ratios),
-        "deterministic_ratio_iqr": iqr(x_ratios),
-        "deterministic_ratio_min": min(x_ratios),
-        "deterministic_ratio_max": max(x_ratios),
-        "deterministic_ratio_of_medians": median(x_step) / median(v_step),
+        # "deterministic_*": deterministic=True, i.e. "ordered"; "exact_*": "exact".
+        "deterministic_kind": "ordered",
+        **ordered,
         "deterministic_target_ratio": TARGET_DETERMINISTIC_RATIO,
-        "deterministic_target_met": median(x_ratios) <= TARGET_DETERMINISTIC_RATIO,
-        "deterministic_vs_ddp_ratio": median(x_ddp_ratios),
-        "deterministic_vs_ddp_ratio_min": min(x_ddp_ratios),
-        "deterministic_vs_ddp_ratio_max": max(x_ddp_ratios),
+        "deterministic_target_met": ordered["deterministic_ratio"] <= TARGET_DETERMINISTIC_RATIO,
+        **kind("exact", "exact", "exact_allreduce"),
         "allreduce_standalone_s": standalone,
         "allreduce_standalone_iqr_s": iqr(allreduce),
-        "deterministic_allreduce_standalone_s": det_standalone,
-        "deterministic_allreduce_standalone_iqr_s": iqr(det_allreduce),
         "vflow_exposed_s": v_wait,
         "ddp_exposed_s": d_exposed,
-        "deterministic_exposed_s": x_wait,
         "vflow_hidden": _hidden(v_wait, standalone),
         "ddp_hidden": _hidden(d_exposed, standalone),
-        "deterministic_hidden": _hidden(x_wait, det_standalone),
         "phases_s": phases,
         "max_param_rel_diff": diffs["vflow_vs_ddp_rel"],
-        "deterministic_vs_vflow_max_abs_diff": diffs["det_vs_vflow_abs"],
-        "deterministic_vs_vflow_max_rel_diff": diffs["det_vs_vflow_rel"],
-        "deterministic_vs_ddp_max_rel_diff": diffs["det_vs_ddp_rel"],
-        # Parameter elements whose bits differ between the ranks (0: bitwise equal).
-        "deterministic_rank_mismatches": mismatches["det"],
         "vflow_rank_mismatches": mismatches["vflow"],
+        "ddp_rank_mismatches": mismatches["ddp"],
         "vflow_times_s": v_step,
         "ddp_times_s": d_step,
-        "deterministic_times_s": x_step,
-        "deterministic_ratios": x_ratios,
         "allreduce_times_s": allreduce,
-        "deterministic_allreduce_times_s": det_allreduce,
     }
 
 
@@ -572,11 +784,12 @@ def _mb(nbytes: int) -> str:
     return f"{nbytes / 2**20:.2f}"
 
 
+def _ratio(r: dict[str, Any], key: str) -> str:
+    return f"{r[key]:.3f} ({r[key + '_min']:.2f}-{r[key + '_max']:.2f})"
+
+
 def print_results(r: dict[str, Any]) -> None:
-    v_times, d_times = r["vflow_times_s"], r["ddp_times_s"]
-    x_times = r["deterministic_times_s"]
     standalone = fmt_ms(r["allreduce_standalone_s"])
-    det_standalone = fmt_ms(r["deterministic_allreduce_standalone_s"])
     nbytes = r["bytes_per_step"]
     ok = r["ratio"] <= TARGET_RATIO
     det_ok = r["deterministic_target_met"]
@@ -588,9 +801,24 @@ def print_results(r: dict[str, Any]) -> None:
     )
     print(
         "step = slowest rank's host time, median (min-max); a ratio = median over "
-        "repetitions of the per-step ratio on the same batch (min-max); MB/step = payload "
-        "handed to all-reduce per step and rank (1 MB = 2^20 bytes)"
+        "repetitions of the per-step ratio on the same batch (min-max); MB/step = bytes "
+        "each rank communicates per step (1 MB = 2^20 bytes); comm alone = the method's "
+        "communication pattern with nothing else running"
     )
+
+    def kind_row(prefix: str, name: str) -> list[str]:
+        return [
+            LABELS[name],
+            fmt_ms(r[f"{prefix}_median_s"]),
+            _ms_range(r[f"{prefix}_times_s"]),
+            _ratio(r, f"{prefix}_vs_ddp_ratio"),
+            _ratio(r, f"{prefix}_ratio"),
+            _mb(nbytes[prefix]),
+            fmt_ms(r[f"{prefix}_allreduce_standalone_s"]),
+            fmt_ms(r[f"{prefix}_exposed_s"]),
+            _pct(r[f"{prefix}_hidden"]),
+        ]
+
     print(
         format_table(
             [
@@ -600,40 +828,28 @@ def print_results(r: dict[str, Any]) -> None:
                 "ratio vs DDP",
                 "ratio vs vflow",
                 "MB/step",
-                "all-reduce alone ms",
+                "comm alone ms",
                 "exposed ms",
                 "hidden",
             ],
             [
                 [
-                    "vflow",
+                    LABELS["vflow"],
                     fmt_ms(r["vflow_median_s"]),
-                    _ms_range(v_times),
-                    f"{r['ratio']:.3f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})",
+                    _ms_range(r["vflow_times_s"]),
+                    _ratio(r, "ratio"),
                     "1.000",
                     _mb(nbytes["vflow"]),
                     standalone,
                     fmt_ms(r["vflow_exposed_s"]),
                     _pct(r["vflow_hidden"]),
                 ],
+                kind_row("deterministic", "det"),
+                kind_row("exact", "exact"),
                 [
-                    "vflow deterministic",
-                    fmt_ms(r["deterministic_median_s"]),
-                    _ms_range(x_times),
-                    f"{r['deterministic_vs_ddp_ratio']:.3f} "
-                    f"({r['deterministic_vs_ddp_ratio_min']:.2f}-"
-                    f"{r['deterministic_vs_ddp_ratio_max']:.2f})",
-                    f"{r['deterministic_ratio']:.3f} ({r['deterministic_ratio_min']:.2f}-"
-                    f"{r['deterministic_ratio_max']:.2f})",
-                    _mb(nbytes["deterministic"]),
-                    det_standalone,
-                    fmt_ms(r["deterministic_exposed_s"]),
-                    _pct(r["deterministic_hidden"]),
-                ],
-                [
-                    "DDP + no_sync",
+                    LABELS["ddp"],
                     fmt_ms(r["ddp_median_s"]),
-                    _ms_range(d_times),
+                    _ms_range(r["ddp_times_s"]),
                     "1.000",
                     "-",
                     _mb(nbytes["ddp"]),
@@ -646,33 +862,45 @@ def print_results(r: dict[str, Any]) -> None:
     )
     print(
         f"target vflow / DDP <= {TARGET_RATIO}: {'met' if ok else 'MISSED'} "
-        f"(ratio {r['ratio']:.3f}, ratio of medians {r['ratio_of_medians']:.3f}, "
-        f"ratio IQR {r['ratio_iqr']:.3f})"
+        f"(ratio {r['ratio']:.3f}, ratio IQR {r['ratio_iqr']:.3f}, ratio of medians "
+        f"{r['ratio_of_medians']:.3f})"
     )
     print(
-        f"target deterministic / vflow <= {TARGET_DETERMINISTIC_RATIO}: "
+        f"target deterministic (ordered) / vflow <= {TARGET_DETERMINISTIC_RATIO}: "
         f"{'met' if det_ok else 'not met'} (ratio {r['deterministic_ratio']:.3f}, "
         f"ratio IQR {r['deterministic_ratio_iqr']:.3f}, ratio of medians "
         f"{r['deterministic_ratio_of_medians']:.3f})"
     )
     print(
-        f"bytes per step per rank: vflow {nbytes['vflow']:,} (buckets, 4 B per element, "
-        f"+ {r['stats_bytes_per_step']} B of step statistics), deterministic "
-        f"{nbytes['deterministic']:,} (buckets, 1 B MAX + 8 B SUM per element, + "
-        f"{r['stats_bytes_per_step']} B), DDP {nbytes['ddp']:,} (4 B per gradient element); "
-        f"deterministic / vflow = {nbytes['deterministic'] / nbytes['vflow']:.2f}x"
+        f"deterministic (exact) / vflow, no target: ratio {r['exact_ratio']:.3f}, ratio IQR "
+        f"{r['exact_ratio_iqr']:.3f}, ratio of medians {r['exact_ratio_of_medians']:.3f}"
+    )
+    print(
+        f"vs DDP: deterministic (ordered) / DDP {r['deterministic_vs_ddp_ratio']:.3f} (IQR "
+        f"{r['deterministic_vs_ddp_ratio_iqr']:.3f}), deterministic (exact) / DDP "
+        f"{r['exact_vs_ddp_ratio']:.3f} (IQR {r['exact_vs_ddp_ratio_iqr']:.3f})"
+    )
+    stats = r["stats_bytes_per_step"]
+    covers = r["ordered_cover_counts"]
+    print(
+        f"bytes per step per rank (each executor's + {stats} B of step statistics "
+        f"all-reduced): vflow {nbytes['vflow']:,} (buckets all-reduced, 4 B per element); "
+        f"deterministic (ordered) {nbytes['deterministic']:,} (sent point to point: "
+        f"(C(W-1) + (W-1)) / W x the buckets, C = {covers} partial sums per rank); "
+        f"deterministic (exact) {nbytes['exact']:,} (buckets all-reduced, 1 B MAX + 8 B SUM "
+        f"per element); DDP {nbytes['ddp']:,} (4 B per gradient element all-reduced); "
+        f"ordered / vflow = {nbytes['deterministic'] / nbytes['vflow']:.2f}x, "
+        f"exact / vflow = {nbytes['exact'] / nbytes['vflow']:.2f}x"
     )
     world = r["world_size"]
     print(
-        f"a ring all-reduce moves about 2(W-1)/W = {2 * (world - 1) / world:.2f} times the "
-        f"payload over each rank's link (W = {world})"
+        f"a ring all-reduce moves about 2(W-1)/W = {2 * (world - 1) / world:.2f} times its "
+        f"payload over each rank's link (W = {world}); point-to-point bytes cross it once"
     )
-
-    vp, dp = r["phases_s"]["vflow"], r["phases_s"]["ddp"]
 
     def executor_row(name: str, p: dict[str, Any]) -> list[str]:
         return [
-            name,
+            LABELS[name],
             fmt_ms(p["other_vn_fwd_bwd"]),
             fmt_ms(p["last_vn_fwd_bwd"]),
             fmt_ms(_diff(p["last_vn_fwd_bwd"], p["other_vn_fwd_bwd"])),
@@ -681,6 +909,8 @@ def print_results(r: dict[str, Any]) -> None:
             f"{p['page_faults']:.0f}",
         ]
 
+    phases = r["phases_s"]
+    dp = phases["ddp"]
     print(
         "\nwhere the time goes (ms, per rank, mean over ranks then median over steps; "
         "'other' = a microbatch/VN before the last one)"
@@ -697,10 +927,11 @@ def print_results(r: dict[str, Any]) -> None:
                 "page faults",
             ],
             [
-                executor_row("vflow", vp),
-                executor_row("vflow deterministic", r["phases_s"]["deterministic"]),
+                executor_row("vflow", phases["vflow"]),
+                executor_row("det", phases["deterministic"]),
+                executor_row("exact", phases["exact"]),
                 [
-                    "DDP + no_sync",
+                    LABELS["ddp"],
                     fmt_ms(dp["other_mb_fwd_bwd"]),
                     fmt_ms(dp["last_mb_fwd_bwd"]),
                     fmt_ms(_diff(dp["last_mb_fwd_bwd"], dp["other_mb_fwd_bwd"])),
@@ -712,27 +943,35 @@ def print_results(r: dict[str, Any]) -> None:
         )
     )
     zero = "set_to_none=True" if r["ddp_zero_grad_set_to_none"] else "set_to_none=False"
+    orders = "; ".join(", ".join(order) for order in r["method_orders"])
     print(
         "\nnotes:\n"
-        f"  all-reduce alone = the gradient's buckets all-reduced with nothing else "
-        f"running (median over {r['measured_steps']} reps);\n"
-        "    deterministic: the same buckets as int8 (MAX) then int64 (SUM) tensors, in "
-        "the reducer's order\n"
-        "  vflow exposed = StepResult.timings.reduce_wait (waiting for bucket all-reduces "
-        "after backward);\n"
-        "    its 'last - other' shows how much the overlapped all-reduces slow the last "
-        "VN's backward;\n"
-        "    deterministic: the wait for its SUMs; its MAX waits and packing are in the "
-        "last backward, its unpacking in 'after bwd'\n"
+        f"  comm alone = the method's gradient communication with nothing else running "
+        f"(median over {r['measured_steps']} reps), in its executor's bucket layout:\n"
+        "    vflow and DDP: float32 all-reduce (SUM) of the buckets;\n"
+        "    ordered: isend/irecv of the float32 buckets' shards: all buckets' phase 1 (each "
+        "rank's partial shards to their owners),\n"
+        "      then per bucket: wait, add the received partials in tree order (the combine), "
+        "start phase 2 (own shard to the others);\n"
+        "    exact: int8 (MAX) then int64 (SUM) all-reduces, in the reducer's order\n"
+        "  exposed (executors) = StepResult.timings.reduce_wait, the wait for gradient "
+        "communication after backward:\n"
+        "    vflow: the bucket all-reduces; its 'last - other' shows how much the overlapped "
+        "all-reduces slow the last VN's backward;\n"
+        "    ordered: phase 1 waits, the combine's adds and phase 2 (all of finalize's work on "
+        "the buckets);\n"
+        "    exact: the wait for its SUMs; its MAX waits and packing are in the last "
+        "backward, its unpacking in 'after bwd'\n"
         "  DDP exposed = last (synchronising) microbatch fwd+bwd - a no_sync one; DDP "
         "waits for its buckets inside that backward\n"
-        "  hidden = 1 - exposed / all-reduce alone, clipped to [0, 1]\n"
+        "  hidden = 1 - exposed / comm alone, clipped to [0, 1]\n"
         "  page faults = minor page faults per step (first touches of newly mapped memory, "
         "each costing microseconds)\n"
         f"  DDP: gradient_as_bucket_view=True, bucket_cap_mb=25, zero_grad({zero}); "
         "optimizer = step + zero_grad + reading the loss\n"
         "  vflow optimizer = optimizer.step and the step's bookkeeping; vflow's loss is "
-        "the global one (an extra small all-reduce), DDP's the local one"
+        "the global one (an extra small all-reduce), DDP's the local one\n"
+        f"  method orders (a Williams design), one per repetition in turn: {orders}"
     )
     steps = r["warmup_steps"] + r["measured_steps"]
 
@@ -741,16 +980,29 @@ def print_results(r: dict[str, Any]) -> None:
             return "bitwise equal"
         return f"NOT bitwise equal ({mismatches} of {r['params']} elements differ)"
 
+    if r["virtual_nodes"] in (2, 4) and r["world_size"] == 2:
+        ordered_expect = (
+            "expected 0: with this plan the tree's sums ((g0+g1)+(g2+g3)) are exactly the "
+            "default path's (each rank folds its VNs, the all-reduce adds the two ranks' sums)"
+        )
+    else:
+        ordered_expect = (
+            "may be nonzero: the default path folds a rank's VNs one after another, the "
+            "tree pairs them"
+        )
     print(
         f"\ncorrectness after {steps} steps:\n"
         f"  max relative parameter difference vflow vs DDP: {r['max_param_rel_diff']:.1e}\n"
-        f"  deterministic vs vflow: max abs parameter difference "
-        f"{r['deterministic_vs_vflow_max_abs_diff']:.1e} (max relative "
-        f"{r['deterministic_vs_vflow_max_rel_diff']:.1e}; expected small but nonzero: one "
+        f"  deterministic (ordered) vs vflow: max abs parameter difference "
+        f"{r['deterministic_vs_vflow_max_abs_diff']:.1e} ({ordered_expect})\n"
+        f"  deterministic (exact) vs vflow: max abs parameter difference "
+        f"{r['exact_vs_vflow_max_abs_diff']:.1e} (max relative "
+        f"{r['exact_vs_vflow_max_rel_diff']:.1e}; expected small but nonzero: one "
         "rounding of the exact sum vs float32 sums)\n"
-        f"  ranks' parameters: deterministic "
-        f"{equal_ranks(r['deterministic_rank_mismatches'])}, vflow "
-        f"{equal_ranks(r['vflow_rank_mismatches'])}"
+        f"  ranks' parameters: vflow {equal_ranks(r['vflow_rank_mismatches'])}, "
+        f"deterministic (ordered) {equal_ranks(r['deterministic_rank_mismatches'])}, "
+        f"deterministic (exact) {equal_ranks(r['exact_rank_mismatches'])}, DDP "
+        f"{equal_ranks(r['ddp_rank_mismatches'])}"
     )
 
 
@@ -789,13 +1041,17 @@ def rank_main(rank: int, port: int, cfg: Config, out_path: str, give_up_at: floa
             dist.all_gather_object(gathered, series)
             diffs = bench.max_param_diffs()
             mismatches = {
-                "det": bench.mismatches_with_rank0(bench.model_x),
                 "vflow": bench.mismatches_with_rank0(bench.model_v),
+                "det": bench.mismatches_with_rank0(bench.model_o),
+                "exact": bench.mismatches_with_rank0(bench.model_e),
+                "ddp": bench.mismatches_with_rank0(bench.model_d),
             }
-            bench.ex.close()
-            bench.ex_x.close()
+            # Before closing: the reducers report the bytes of the plan they ran.
+            nbytes = bench.payload_bytes()
+            for ex in (bench.ex, bench.ex_o, bench.ex_e):
+                ex.close()
             if rank == 0:
-                record = summarise(cfg, bench, gathered, diffs, mismatches)
+                record = summarise(cfg, bench, gathered, diffs, mismatches, nbytes)
                 print_results(record)
                 Path(out_path).write_text(json.dumps(record), encoding="utf-8")
         finally:
@@ -880,7 +1136,11 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=1, help="torch intra-op threads per rank (default 1)"
     )
     parser.add_argument(
-        "--reps", type=int, default=None, help="timed steps per method (default 40, 6 quick)"
+        "--reps",
+        type=int,
+        default=None,
+        help="timed steps per method (default 40, 8 quick); a multiple of 4 runs every "
+        "method order equally often",
     )
     parser.add_argument(
         "--virtual-nodes", type=int, default=4, help="V, split over the 2 ranks (default 4)"
@@ -925,7 +1185,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch_size or (64 if quick else 128),
         # DDP rebuilds its buckets in the second iteration's forward: keep it out.
         warmup=2 if quick else 3,
-        reps=args.reps or (6 if quick else 40),
+        reps=args.reps or (8 if quick else 40),
         threads=args.threads,
         ddp_set_to_none=args.ddp_zero_grad == "none",
         collective_timeout_s=60.0,
@@ -939,8 +1199,8 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(torch.device("cpu"))
     env |= {"ranks": WORLD_SIZE, "backend": "gloo", "threads_per_rank": cfg.threads}
     print_header(
-        "vflow benchmark: Executor (default and deterministic) vs DDP + no_sync, "
-        "2 Gloo ranks on localhost",
+        "vflow benchmark: Executor (default, deterministic ordered and exact) vs DDP + "
+        "no_sync, 2 Gloo ranks on localhost",
         env,
     )
     total_threads = WORLD_SIZE * cfg.threads

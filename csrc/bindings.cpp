@@ -82,7 +82,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        const std::vector<at::ScalarType>& dtypes, int64_t first_bucket_bytes,
                        int64_t bucket_cap_bytes,
                        std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> process_group,
-                       double timeout_seconds, std::string description, bool exact) {
+                       double timeout_seconds, std::string description, bool exact,
+                       bool ordered) {
              TORCH_CHECK(timeout_seconds > 0, "timeout_seconds must be > 0, got ",
                          timeout_seconds);
              const auto timeout = std::chrono::milliseconds(
@@ -90,21 +91,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return std::make_unique<Reducer>(
                  groups, dtypes, first_bucket_bytes, bucket_cap_bytes,
                  process_group.value_or(c10::intrusive_ptr<c10d::ProcessGroup>()), timeout,
-                 std::move(description), exact);
+                 std::move(description), exact, ordered);
            }),
            py::arg("groups"), py::arg("dtypes"), py::arg("first_bucket_bytes"),
            py::arg("bucket_cap_bytes"), py::arg("process_group") = py::none(),
            py::arg("timeout_seconds") = 600.0, py::arg("description") = "the process group",
-           py::arg("exact") = false)
+           py::arg("exact") = false, py::arg("ordered") = false)
       .def_property_readonly("buffers", &Reducer::buffers)
       .def_property_readonly("num_buckets", &Reducer::num_buckets)
       .def_property_readonly("world_size", &Reducer::world_size)
       .def_property_readonly("exact", &Reducer::exact)
+      .def_property_readonly("ordered", &Reducer::ordered)
       .def_property_readonly("bytes_per_step", &Reducer::bytes_per_step)
       .def("bucket_of", &Reducer::bucket_of, py::arg("buffer"), py::arg("slot"))
       .def("bucket_ranges", &Reducer::bucket_ranges)
       .def("begin_step", &Reducer::begin_step, py::arg("step"))
-      .def("begin_vn", &Reducer::begin_vn, py::arg("weight"), py::arg("last"))
+      .def("set_tree", &Reducer::set_tree, py::arg("cover_counts"), py::arg("combine_merges"))
+      .def("begin_vn", &Reducer::begin_vn, py::arg("weight"), py::arg("last"),
+           py::arg("level") = 0, py::arg("merges") = 0)
       .def("add_grad", &Reducer::add_grad, py::arg("bucket"), py::arg("slot"), py::arg("grad"),
            py::call_guard<py::gil_scoped_release>())
       .def("end_vn", &Reducer::end_vn,

@@ -1,8 +1,11 @@
 #include "reducer.h"
 
+#include "ops.h"
+
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
+#include <limits>
 #include <sstream>
 #include <utility>
 
@@ -23,6 +26,18 @@ const std::string kStatsName = "all-reduce of the step's loss and item totals";
 // (MAX) and an int64 packed sum (SUM).
 constexpr int64_t kExactWireBytes = 1 + 8;
 
+// Ordered mode: point-to-point tags are (bucket * kTagLevels + level) * 2 + phase, so a
+// worker contributes at most kTagLevels partial sums (a cover of [0, V) has fewer than
+// 2 log2(V) nodes, i.e. < 32 for the largest V deterministic mode accepts).
+constexpr int64_t kTagLevels = 64;
+
+int tag_of(size_t bucket, int64_t level, int64_t phase) {
+  const int64_t tag = (static_cast<int64_t>(bucket) * kTagLevels + level) * 2 + phase;
+  TORCH_CHECK(tag <= std::numeric_limits<int>::max(), "too many buckets for point-to-point "
+              "tags in ordered mode: raise bucket_cap_bytes");
+  return static_cast<int>(tag);
+}
+
 } // namespace
 
 Reducer::Reducer(
@@ -33,8 +48,10 @@ Reducer::Reducer(
     c10::intrusive_ptr<c10d::ProcessGroup> process_group,
     std::chrono::milliseconds timeout,
     std::string description,
-    bool exact)
+    bool exact,
+    bool ordered)
     : exact_(exact),
+      ordered_(ordered),
       process_group_(std::move(process_group)),
       timeout_(timeout),
       description_(std::move(description)) {
@@ -45,6 +62,8 @@ Reducer::Reducer(
               first_bucket_bytes);
   TORCH_CHECK(bucket_cap_bytes > 0, "bucket_cap_bytes must be > 0, got ", bucket_cap_bytes);
   TORCH_CHECK(timeout.count() > 0, "timeout must be > 0 ms, got ", timeout.count());
+  TORCH_CHECK(!(exact && ordered), "exact and ordered are two ways of summing "
+              "deterministically: choose at most one");
   for (const auto g : c10::irange(groups.size())) {
     TORCH_CHECK(!exact || dtypes[g] == at::kFloat, "exact accumulation needs float32 "
                 "accumulators, but dtypes[", g, "] is ", dtypes[g]);
@@ -56,6 +75,9 @@ Reducer::Reducer(
                                at::zeros({exact::kLimbs, numel}, options.dtype(at::kInt)),
                                at::zeros({numel}, options.dtype(at::kChar)),
                                at::zeros({numel}, options.dtype(at::kLong))});
+    }
+    if (ordered) {
+      levels_.push_back({buffer->data()});
     }
     const int64_t element_size = static_cast<int64_t>(buffer->data().element_size());
     const auto& numels = buffer->numels();
@@ -123,9 +145,18 @@ int64_t Reducer::bytes_per_step() const {
     return 0;
   }
   int64_t bytes = 0;
+  const int64_t world = world_size();
+  const int64_t rank = process_group_->getRank();
+  const int64_t covers = cover_counts_.empty() ? 1 : cover_counts_[rank];
   for (const auto& bucket : buckets_) {
-    bytes += bucket.flat.numel() *
-        (exact_ ? kExactWireBytes : static_cast<int64_t>(bucket.flat.element_size()));
+    const int64_t numel = bucket.flat.numel();
+    const int64_t element_size = static_cast<int64_t>(bucket.flat.element_size());
+    if (ordered_) {
+      const int64_t own = shard_begin(bucket, rank + 1) - shard_begin(bucket, rank);
+      bytes += (covers * (numel - own) + (world - 1) * own) * element_size;
+    } else {
+      bytes += numel * (exact_ ? kExactWireBytes : element_size);
+    }
   }
   return bytes;
 }
@@ -148,10 +179,14 @@ void Reducer::begin_step(int64_t step) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(!in_step_, "Reducer::begin_step: the previous step was neither finalized nor "
               "discarded");
+  TORCH_CHECK(!ordered_ || !cover_counts_.empty(), "Reducer::begin_step: ordered mode needs "
+              "set_tree before the first step");
   for (auto& bucket : buckets_) {
-    TORCH_INTERNAL_ASSERT(!bucket.work && bucket.pending_grads.empty());
+    TORCH_INTERNAL_ASSERT(!bucket.work && bucket.pending_grads.empty() &&
+                          bucket.transfers.empty());
     bucket.final = false;
   }
+  depth_ = 0;
   for (auto& flags : written_) {
     std::fill(flags.begin(), flags.end(), 0);
   }
@@ -163,15 +198,69 @@ void Reducer::begin_step(int64_t step) {
   step_ = step;
 }
 
-void Reducer::begin_vn(double weight, bool last) {
+void Reducer::set_tree(const std::vector<int64_t>& cover_counts,
+                       const std::vector<int64_t>& combine_merges) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(ordered_, "Reducer::set_tree needs a Reducer made with ordered=True");
+  TORCH_CHECK(!in_step_, "Reducer::set_tree called during a step");
+  TORCH_CHECK(static_cast<int64_t>(cover_counts.size()) == world_size(), "cover_counts has ",
+              cover_counts.size(), " entries; give one per worker (", world_size(), ")");
+  int64_t total = 0;
+  for (const auto w : c10::irange(cover_counts.size())) {
+    TORCH_CHECK(cover_counts[w] >= 1 && cover_counts[w] <= kTagLevels, "cover_counts[", w,
+                "] must be in [1, ", kTagLevels, "], got ", cover_counts[w]);
+    total += cover_counts[w];
+  }
+  TORCH_CHECK(static_cast<int64_t>(combine_merges.size()) == total, "combine_merges has ",
+              combine_merges.size(), " entries but the workers have ", total,
+              " partial sums in all");
+  int64_t depth = 0;
+  for (const auto k : c10::irange(combine_merges.size())) {
+    TORCH_CHECK(combine_merges[k] >= 0 && combine_merges[k] <= depth, "combine_merges[", k,
+                "]=", combine_merges[k], " merges more than the ", depth + 1,
+                " entries on the stack can");
+    depth += 1 - combine_merges[k];
+  }
+  TORCH_CHECK(depth == 1, "combine_merges leave ", depth, " sums on the stack, not one root");
+  cover_counts_ = cover_counts;
+  combine_merges_ = combine_merges;
+}
+
+void Reducer::begin_vn(double weight, bool last, int64_t level, int64_t merges) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(in_step_, "Reducer::begin_vn called outside a step");
   TORCH_CHECK(!last_vn_, "Reducer::begin_vn called after the step's last VN");
+  if (ordered_) {
+    TORCH_CHECK(level == depth_, "level must be the stack depth after the previous VNs (",
+                depth_, "), got ", level);
+    TORCH_CHECK(merges >= 0 && merges <= level, "merges must be in [0, level=", level,
+                "], got ", merges);
+    for (const auto b : c10::irange(buffers_.size())) {
+      this->level(static_cast<int64_t>(b), level);  // allocated here, not under backward
+    }
+    for (auto& flags : written_) {
+      std::fill(flags.begin(), flags.end(), 0);
+    }
+    vn_level_ = level;
+    vn_merges_ = merges;
+  } else {
+    TORCH_CHECK(level == 0 && merges == 0, "level and merges are for ordered mode only");
+  }
   weight_ = weight;
   last_vn_ = last;
   for (auto& bucket : buckets_) {
     bucket.arrived = 0;
+    bucket.vn_done = false;
   }
+}
+
+at::Tensor Reducer::level(int64_t buffer, int64_t index) {
+  auto& levels = levels_[buffer];
+  while (static_cast<int64_t>(levels.size()) <= index) {
+    // Zeros, not empty: the padding between slots is never written and must add up to 0.
+    levels.push_back(at::zeros_like(levels[0]));
+  }
+  return levels[index];
 }
 
 // See Note [First fold overwrites]: slots seen for the first time in this step are
@@ -200,6 +289,25 @@ void Reducer::fold(Bucket& bucket) {
   bucket.pending_slots.clear();
   bucket.pending_grads.clear();
   bucket.pending_bytes = 0;
+  if (ordered_) {
+    // Every VN writes its own level: "later" slots cannot occur within one VN.
+    TORCH_INTERNAL_ASSERT(later_slots.empty());
+    if (!first_slots.empty()) {
+      const at::Tensor target = level(bucket.buffer, vn_level_);
+      std::vector<at::Tensor> accs;
+      accs.reserve(first_slots.size());
+      for (const auto k : c10::irange(first_slots.size())) {
+        const int64_t slot = first_slots[k];
+        TORCH_CHECK(first_grads[k].numel() == buffer.numels()[slot], "the gradient of slot ",
+                    slot, " has ", first_grads[k].numel(), " elements, expected ",
+                    buffer.numels()[slot]);
+        accs.push_back(target.narrow(0, buffer.offsets()[slot], buffer.numels()[slot])
+                           .view(first_grads[k].sizes()));
+      }
+      multi_accumulate_(accs, first_grads, weight_, /*overwrite=*/true);
+    }
+    return;
+  }
   if (exact_) {
     fold_exact(bucket, first_slots, first_grads, /*fresh=*/true);
     fold_exact(bucket, later_slots, later_grads, /*fresh=*/false);
@@ -236,6 +344,13 @@ at::Tensor Reducer::exact_slice(const at::Tensor& plane, const Bucket& bucket) c
 }
 
 void Reducer::zero_run(int64_t buffer, int64_t first, int64_t last) {
+  if (ordered_) {
+    const auto& offsets = buffers_[buffer]->offsets();
+    const int64_t begin = offsets[first];
+    const int64_t numel = offsets[last] + buffers_[buffer]->numels()[last] - begin;
+    level(buffer, vn_level_).narrow(0, begin, numel).zero_();
+    return;
+  }
   if (!exact_) {
     buffers_[buffer]->zero_slots_(first, last);
     return;
@@ -265,6 +380,17 @@ void Reducer::make_final(Bucket& bucket) {
     }
     zero_run(bucket.buffer, run_start, slot - 1);
   }
+  if (ordered_) {
+    // See Note [Ordered sum]: the VN's leaf is complete on this bucket; merge it upwards.
+    for (int64_t k = vn_level_; k > vn_level_ - vn_merges_; --k) {
+      level(bucket.buffer, k - 1)
+          .narrow(0, bucket.offset, bucket.flat.numel())
+          .add_(level(bucket.buffer, k).narrow(0, bucket.offset, bucket.flat.numel()));
+    }
+    bucket.vn_done = true;
+    bucket.final = last_vn_;
+    return;
+  }
   bucket.final = true;
 }
 
@@ -286,8 +412,13 @@ void Reducer::add_grad(int64_t bucket_index, int64_t slot, const at::Tensor& gra
   if (complete || bucket.pending_bytes >= kFoldBytes) {
     fold(bucket);
   }
+  if (complete && ordered_) {
+    make_final(bucket);  // the VN's merges; final only in the last VN
+  }
   if (complete && last_vn_) {
-    make_final(bucket);
+    if (!ordered_) {
+      make_final(bucket);
+    }
     launch_ready();
   }
 }
@@ -297,6 +428,20 @@ void Reducer::end_vn() {
   TORCH_CHECK(in_step_, "Reducer::end_vn called outside a step");
   for (auto& bucket : buckets_) {
     fold(bucket);
+  }
+  if (ordered_) {
+    for (auto& bucket : buckets_) {
+      if (!bucket.vn_done) {
+        make_final(bucket);
+      }
+    }
+    depth_ = vn_level_ + 1 - vn_merges_;
+    if (last_vn_) {
+      const int64_t rank = reduces() ? process_group_->getRank() : 0;
+      TORCH_CHECK(depth_ == cover_counts_[rank], "after its last VN this worker holds ",
+                  depth_, " partial sums but set_tree says ", cover_counts_[rank],
+                  ": the VN schedule and the tree disagree");
+    }
   }
   if (last_vn_) {
     early_launches_ = static_cast<int64_t>(next_launch_);
@@ -325,6 +470,10 @@ void Reducer::launch_ready() {
     Bucket& bucket = buckets_[next_launch_];
     if (exact_) {
       start_exact_sum(next_launch_);
+    } else if (ordered_) {
+      if (reduces()) {
+        start_partials_exchange(next_launch_);
+      }
     } else if (reduces()) {
       bucket.work = launch(bucket.flat, bucket_name(next_launch_));
     }
@@ -391,10 +540,21 @@ void Reducer::finalize(double factor, const std::vector<at::Tensor>& found_nonfi
   TORCH_CHECK(found_nonfinite.empty() || found_nonfinite.size() == buffers_.size(),
               "found_nonfinite must be empty or hold one flag per buffer");
   const auto start = std::chrono::steady_clock::now();
+  if (ordered_ && reduces()) {
+    // Bucket by bucket, so one bucket's phase 2 overlaps the next one's phase 1.
+    for (const auto b : c10::irange(buckets_.size())) {
+      combine_and_share(b);
+    }
+  }
   for (const auto b : c10::irange(buckets_.size())) {
     auto work = std::move(buckets_[b].work);
     if (work) {
       wait_for(work, bucket_name(b));
+    }
+    auto transfers = std::move(buckets_[b].transfers);
+    buckets_[b].transfers.clear();
+    for (const auto& transfer : transfers) {
+      wait_for(transfer, "receiving the sums of " + bucket_name(b));
     }
   }
   if (stats_work_) {
@@ -442,6 +602,141 @@ void Reducer::start_exact_sum(size_t index) {
   }
 }
 
+int64_t Reducer::shard_begin(const Bucket& bucket, int64_t rank) const {
+  return bucket.flat.numel() * rank / world_size();
+}
+
+c10::intrusive_ptr<c10d::Work> Reducer::transfer(at::Tensor tensor, int64_t peer, int64_t tag,
+                                                bool send, const std::string& what) {
+  std::vector<at::Tensor> tensors{std::move(tensor)};
+  try {
+    return send ? process_group_->send(tensors, static_cast<int>(peer), static_cast<int>(tag))
+                : process_group_->recv(tensors, static_cast<int>(peer), static_cast<int>(tag));
+  } catch (const std::exception& e) {
+    fail("starting the " + what, error_text(e));
+  }
+}
+
+// Phase 1 of Note [Ordered sum]. Called with mutex_ held when bucket `index` is final.
+void Reducer::start_partials_exchange(size_t index) {
+  Bucket& bucket = buckets_[index];
+  const int64_t world = world_size();
+  const int64_t rank = process_group_->getRank();
+  const int64_t own_begin = shard_begin(bucket, rank);
+  const int64_t own = shard_begin(bucket, rank + 1) - own_begin;
+  int64_t total = 0;
+  for (const int64_t count : cover_counts_) {
+    total += count;
+  }
+  const int64_t incoming = (total - cover_counts_[rank]) * own;
+  if (!bucket.received.defined() || bucket.received.numel() != incoming) {
+    bucket.received = at::empty({incoming}, bucket.flat.options());
+  }
+  const std::string what = "exchange of partial sums of " + bucket_name(index);
+  bucket.shard_partials.clear();
+  int64_t next = 0;
+  for (const auto peer : c10::irange(world)) {
+    if (peer == rank) {
+      for (const auto j : c10::irange(cover_counts_[rank])) {
+        bucket.shard_partials.push_back(
+            level(bucket.buffer, j).narrow(0, bucket.offset + own_begin, own));
+      }
+      continue;
+    }
+    const int64_t first_received = next;
+    for (const auto j : c10::irange(cover_counts_[peer])) {
+      bucket.shard_partials.push_back(bucket.received.narrow(0, (next + j) * own, own));
+    }
+    next += cover_counts_[peer];
+    const int64_t begin = shard_begin(bucket, peer);
+    const int64_t size = shard_begin(bucket, peer + 1) - begin;
+    auto sends = [&] {
+      for (const auto j : c10::irange(cover_counts_[rank])) {
+        if (size > 0) {
+          bucket.transfers.push_back(transfer(
+              level(bucket.buffer, j).narrow(0, bucket.offset + begin, size), peer,
+              tag_of(index, j, 0), true, what));
+        }
+      }
+    };
+    auto receives = [&] {
+      for (const auto j : c10::irange(cover_counts_[peer])) {
+        if (own > 0) {
+          bucket.transfers.push_back(
+              transfer(bucket.received.narrow(0, (first_received + j) * own, own), peer,
+                       tag_of(index, j, 0), false, what));
+        }
+      }
+    };
+    // Backends that run a pair's transfers in issue order (NCCL) would deadlock if
+    // both sides received first: the lower rank of a pair sends first.
+    if (rank < peer) {
+      sends();
+      receives();
+    } else {
+      receives();
+      sends();
+    }
+  }
+}
+
+// Combine and phase 2 of Note [Ordered sum]. Called with mutex_ held, in `finalize`.
+void Reducer::combine_and_share(size_t index) {
+  Bucket& bucket = buckets_[index];
+  const std::string what = "exchange of partial sums of " + bucket_name(index);
+  auto transfers = std::move(bucket.transfers);
+  bucket.transfers.clear();
+  for (const auto& transfer : transfers) {
+    wait_for(transfer, what);
+  }
+  std::vector<at::Tensor> stack;
+  TORCH_INTERNAL_ASSERT(bucket.shard_partials.size() == combine_merges_.size());
+  for (const auto k : c10::irange(combine_merges_.size())) {
+    stack.push_back(bucket.shard_partials[k]);
+    for (int64_t m = 0; m < combine_merges_[k]; ++m) {
+      at::Tensor right = std::move(stack.back());
+      stack.pop_back();
+      stack.back().add_(right);
+    }
+  }
+  TORCH_INTERNAL_ASSERT(stack.size() == 1);
+  bucket.shard_partials.clear();
+  const int64_t world = world_size();
+  const int64_t rank = process_group_->getRank();
+  const int64_t own_begin = shard_begin(bucket, rank);
+  const int64_t own = shard_begin(bucket, rank + 1) - own_begin;
+  const at::Tensor result = bucket.flat.narrow(0, own_begin, own);
+  if (own > 0 && stack[0].data_ptr() != result.data_ptr()) {
+    result.copy_(stack[0]);
+  }
+  const std::string sharing = "sharing the sums of " + bucket_name(index);
+  for (const auto peer : c10::irange(world)) {
+    if (peer == rank) {
+      continue;
+    }
+    const int64_t begin = shard_begin(bucket, peer);
+    const int64_t size = shard_begin(bucket, peer + 1) - begin;
+    auto send = [&] {
+      if (own > 0) {
+        bucket.transfers.push_back(transfer(result, peer, tag_of(index, 0, 1), true, sharing));
+      }
+    };
+    auto receive = [&] {
+      if (size > 0) {
+        bucket.transfers.push_back(transfer(bucket.flat.narrow(0, begin, size), peer,
+                                            tag_of(index, 0, 1), false, sharing));
+      }
+    };
+    if (rank < peer) {  // see start_partials_exchange
+      send();
+      receive();
+    } else {
+      receive();
+      send();
+    }
+  }
+}
+
 void Reducer::discard() {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<c10::intrusive_ptr<c10d::Work>> in_flight;
@@ -452,6 +747,10 @@ void Reducer::discard() {
     if (bucket.work) {
       in_flight.push_back(std::move(bucket.work));
     }
+    for (auto& transfer : bucket.transfers) {
+      in_flight.push_back(std::move(transfer));
+    }
+    bucket.transfers.clear();
     bucket.pending_slots.clear();
     bucket.pending_grads.clear();
     bucket.pending_bytes = 0;

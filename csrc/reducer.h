@@ -51,7 +51,7 @@
 // were; the step's statistics all-reduce (`start_stats`) goes before all buckets.
 //
 // Note [Exact buckets]
-// In exact mode (deterministic=True in Python) a bucket's gradients are folded into the
+// In exact mode (deterministic="exact" in Python) a bucket's gradients are folded into the
 // integer accumulators of Note [Exact accumulation] (exact.h) instead of the float
 // buffer, and a bucket is reduced in two collectives. When it becomes final in the
 // last VN, an all-reduce (MAX) of its top bins runs at once and the thread that made
@@ -65,6 +65,30 @@
 // unpacking them together with its factor.
 // One process (or a group of one) packs against its own top bins: the same integers
 // as the reduced path, since the sum is exact either way.
+//
+// Note [Ordered sum]
+// In ordered mode (deterministic=True in Python, the default kind) gradients are added
+// in float, but always in one binary tree over the V VN indices that depends on V
+// alone (vflow/tree.py): node [lo, hi) = node [lo, mid) + node [mid, hi). Two-operand
+// float addition is correctly rounded and commutative, so every node has the same
+// bits whoever computes it. Each worker keeps a stack of float buffers ("levels";
+// level 0 is the GradBuffer itself). A VN's gradient is written (w * g, rounded once,
+// as in Note [First fold overwrites]) to the level its schedule names, and once a
+// bucket has every gradient of the VN, the schedule's merges run on that bucket's
+// slice (level k-1 += level k, ...). After the last VN the levels hold the worker's
+// partial sums (its cover of the tree). A bucket is then reduced without any
+// all-reduce, whose summation order belongs to the backend: each bucket is cut into
+// W shards, worker r owns shard r, and
+//   phase 1: every worker sends each of its partial sums' shard r to worker r
+//            (point-to-point; started as soon as the bucket is final in the last VN,
+//            so it overlaps the rest of backward);
+//   combine: worker r pushes all workers' partials of shard r through the same stack
+//            in VN order (the schedule's combine merges) and gets the root;
+//   phase 2: worker r sends its root shard to every other worker, which receive
+//            it straight into their GradBuffer (started in `finalize`, bucket by
+//            bucket as phase 1 completes).
+// Each worker sends about (C(W-1) + (W-1)) / W times the bucket, C being its number of
+// partial sums: with aligned plans (C = 1) that is what a ring all-reduce moves.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -110,7 +134,8 @@ class Reducer {
   // [Buckets]). `process_group` may be null (one worker: nothing is reduced); a group
   // of size 1 reduces nothing either. `timeout` bounds every wait for a collective;
   // `description` names the group in error messages. With `exact`, gradients are summed
-  // exactly (Note [Exact buckets]); every dtype must then be float32.
+  // exactly (Note [Exact buckets]); every dtype must then be float32. With `ordered`,
+  // gradients are summed in a fixed tree (Note [Ordered sum]); at most one of the two.
   Reducer(
       const std::vector<std::vector<at::Tensor>>& groups,
       const std::vector<at::ScalarType>& dtypes,
@@ -119,7 +144,8 @@ class Reducer {
       c10::intrusive_ptr<c10d::ProcessGroup> process_group,
       std::chrono::milliseconds timeout,
       std::string description,
-      bool exact = false);
+      bool exact = false,
+      bool ordered = false);
 
   const std::vector<std::shared_ptr<GradBuffer>>& buffers() const {
     return buffers_;
@@ -136,9 +162,18 @@ class Reducer {
   // was neither finalized nor discarded.
   void begin_step(int64_t step);
 
+  // Ordered mode: sets the tree schedule of the following steps (Note [Ordered sum]):
+  // `cover_counts[w]` partial sums of worker w (one entry per rank of the group, or
+  // one entry without a group), and `combine_merges[k]` merges after pushing the k-th
+  // partial sum of all workers in VN order. Not during a step.
+  void set_tree(const std::vector<int64_t>& cover_counts,
+                const std::vector<int64_t>& combine_merges);
+
   // Starts a VN whose gradients are added with factor `weight`. With `last`, buckets
-  // are all-reduced as they become final (Note [Overlap with backward]).
-  void begin_vn(double weight, bool last);
+  // are all-reduced as they become final (Note [Overlap with backward]). In ordered
+  // mode the gradients are written to stack level `level` (which must be the current
+  // stack depth) and `merges` merges follow per bucket (Note [Ordered sum]).
+  void begin_vn(double weight, bool last, int64_t level = 0, int64_t merges = 0);
 
   // Hands over the gradient of slot `slot` of bucket `bucket` produced by the current
   // VN's backward (at most once per slot and VN). Folds what is waiting per Note [Fold
@@ -188,9 +223,14 @@ class Reducer {
   bool exact() const {
     return exact_;
   }
-  // Bytes this worker hands to all-reduces in one step (the step's statistics
-  // excluded): the gradient buckets in their wire format, 0 without a group to reduce
-  // over. A ring all-reduce moves about 2 (W - 1) / W times this over each link.
+  bool ordered() const {
+    return ordered_;
+  }
+  // Bytes of gradient this worker hands to the backend in one step (the step's
+  // statistics excluded), 0 without a group to reduce over. Default and exact mode:
+  // the buckets in their all-reduce wire format (a ring all-reduce moves about
+  // 2 (W - 1) / W times this over each link). Ordered mode: the bytes it sends point
+  // to point in phases 1 and 2 of Note [Ordered sum] under the current tree.
   int64_t bytes_per_step() const;
 
  private:
@@ -214,7 +254,13 @@ class Reducer {
     int64_t pending_bytes = 0;
     int64_t arrived = 0;  // slots that received a gradient in the current VN
     bool final = false;  // holds its final local value for this step
+    bool vn_done = false;  // ordered mode: the current VN's merges ran on it
     c10::intrusive_ptr<c10d::Work> work;
+    // Ordered mode: point-to-point transfers in flight, the partial sums received for
+    // this worker's shard, and every worker's partial of that shard in VN order.
+    std::vector<c10::intrusive_ptr<c10d::Work>> transfers;
+    at::Tensor received;
+    std::vector<at::Tensor> shard_partials;
 
     int64_t num_slots() const {
       return last_slot - first_slot + 1;
@@ -228,6 +274,13 @@ class Reducer {
   void zero_run(int64_t buffer, int64_t first, int64_t last);
   void make_final(Bucket& bucket);
   void start_exact_sum(size_t index);
+  at::Tensor level(int64_t buffer, int64_t index);
+  void finish_vn(Bucket& bucket);
+  int64_t shard_begin(const Bucket& bucket, int64_t rank) const;
+  void start_partials_exchange(size_t index);
+  void combine_and_share(size_t index);
+  c10::intrusive_ptr<c10d::Work> transfer(at::Tensor tensor, int64_t peer, int64_t tag,
+                                          bool send, const std::string& what);
   at::Tensor exact_slice(const at::Tensor& plane, const Bucket& bucket) const;
   void launch_ready();
   c10::intrusive_ptr<c10d::Work> launch(at::Tensor tensor, const std::string& what,
@@ -239,6 +292,14 @@ class Reducer {
   std::vector<std::shared_ptr<GradBuffer>> buffers_;
   std::vector<ExactState> exact_states_;  // [buffer], exact mode only
   bool exact_ = false;
+  bool ordered_ = false;
+  // Ordered mode: [buffer][level] stack of partial sums; levels[b][0] is buffer b's data.
+  std::vector<std::vector<at::Tensor>> levels_;
+  std::vector<int64_t> cover_counts_;
+  std::vector<int64_t> combine_merges_;
+  int64_t depth_ = 0;  // stack depth after the VNs folded so far in this step
+  int64_t vn_level_ = 0;
+  int64_t vn_merges_ = 0;
   std::vector<Bucket> buckets_;
   std::vector<std::vector<int64_t>> bucket_of_slot_;  // [buffer][slot]
   // [buffer][slot]: written in this step (Note [First fold overwrites]).

@@ -1,5 +1,6 @@
-"""deterministic=True: training is bitwise identical for a given V and seed, whatever
-the number of workers and the plan.
+"""Deterministic mode: training is bitwise identical for a given V and seed, whatever
+the number of workers and the plan, with either way of summing gradients ("ordered",
+the default of deterministic=True, and "exact").
 
 Two models are trained for 10 steps with V = 12 under every mapping the acceptance
 asks for — 1 process; 2 processes; 3 processes as [4, 4, 4] and [6, 3, 3]; 4 processes;
@@ -12,6 +13,7 @@ in one spawn, since starting processes dominates the cost.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ from tests.distributed import run_ranks
 V = 12
 B = 48
 STEPS = 10
+KINDS = ["ordered", "exact"]
 
 # world size -> {mapping name: plan counts per step range}
 MAPPINGS: dict[int, dict[str, list[tuple[int, list[int]]]]] = {
@@ -117,7 +120,7 @@ def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, to
     return out
 
 
-def train(mapping: list[tuple[int, list[int]]], which: str) -> dict:
+def train(mapping: list[tuple[int, list[int]]], which: str, kind: str) -> dict:
     if which == "cnn":
         model, batches, loss_fn = SmallCNN(), cnn_batches(), cnn_loss
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -135,7 +138,7 @@ def train(mapping: list[tuple[int, list[int]]], which: str) -> dict:
         V,
         seed=5,
         plan=vflow.Plan(counts=plans[0]),
-        deterministic=True,
+        deterministic=kind,
         timeout=60,
         **kwargs,
     ) as ex:
@@ -146,17 +149,25 @@ def train(mapping: list[tuple[int, list[int]]], which: str) -> dict:
     return {"state": snapshot(model, optimizer), "losses": losses}
 
 
-def _run_mappings(rank: int, world_size: int, names: list[str]) -> dict:
+def _run_mappings(rank: int, world_size: int, names: list[str], kind: str) -> dict:
     return {
-        name: {which: train(MAPPINGS[world_size][name], which) for which in ("cnn", "transformer")}
+        name: {
+            which: train(MAPPINGS[world_size][name], which, kind)
+            for which in ("cnn", "transformer")
+        }
         for name in names
     }
 
 
+@pytest.fixture(scope="module", params=KINDS)
+def kind(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def reference() -> dict:
+def reference(kind: str) -> dict:
     name = "1 process"
-    return run_ranks(1, _run_mappings, [name], timeout=240)[0].value[name]
+    return run_ranks(1, _run_mappings, [name], kind, timeout=240)[0].value[name]
 
 
 def assert_identical(got: dict, want: dict, where: str) -> None:
@@ -176,9 +187,11 @@ def test_the_reference_run_trains(reference: dict) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_every_mapping_is_bitwise_identical_to_one_process(world_size: int, reference: dict):
+def test_every_mapping_is_bitwise_identical_to_one_process(
+    world_size: int, kind: str, reference: dict
+) -> None:
     names = list(MAPPINGS[world_size])
-    results = run_ranks(world_size, _run_mappings, names, timeout=300)
+    results = run_ranks(world_size, _run_mappings, names, kind, timeout=300)
     for name in names:
         for r in results:
             for which in ("cnn", "transformer"):
@@ -188,7 +201,9 @@ def test_every_mapping_is_bitwise_identical_to_one_process(world_size: int, refe
 # ---- one process: accuracy, inf/NaN, arguments ------------------------------------------
 
 
-def _reduced_gradient(deterministic: bool, model: nn.Module, batch, v: int) -> list[torch.Tensor]:
+def _reduced_gradient(
+    deterministic: bool | str, model: nn.Module, batch, v: int
+) -> list[torch.Tensor]:
     """The global-batch gradient the executor hands to the optimizer (SGD with lr=0)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     with vflow.Executor(model, optimizer, cnn_loss, v, deterministic=deterministic) as ex:
@@ -196,10 +211,11 @@ def _reduced_gradient(deterministic: bool, model: nn.Module, batch, v: int) -> l
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
-def test_exact_reduction_is_at_least_as_accurate_as_float32(capsys) -> None:
-    """Against float64 references, the deterministic gradient's error is no larger
-    than the default float32 path's. Both share the VNs' float32 gradients; they
-    differ in how the V = 256 VN gradients are added."""
+def test_deterministic_reduction_is_at_least_as_accurate_as_float32(capsys) -> None:
+    """Against float64 references, the deterministic gradients' error is no larger
+    than the default float32 path's. All share the VNs' float32 gradients; they
+    differ in how the V = 256 VN gradients are added: one after the other (default),
+    in a balanced tree ("ordered"), exactly ("exact")."""
     v, b = 256, 1024
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 10))
@@ -221,8 +237,7 @@ def test_exact_reduction_is_at_least_as_accurate_as_float32(capsys) -> None:
             acc += g.double() * (size / b)
             acc64 += g64 * (size / b)
         start += size
-    exact = _reduced_gradient(True, model, batch, v)
-    default = _reduced_gradient(False, model, batch, v)
+    got = {kind: _reduced_gradient(kind, model, batch, v) for kind in (*KINDS, False)}
 
     def error(got: list[torch.Tensor], want: list[torch.Tensor]) -> tuple[float, float]:
         diff = torch.cat([(g.double() - w).flatten() for g, w in zip(got, want, strict=True)])
@@ -230,20 +245,21 @@ def test_exact_reduction_is_at_least_as_accurate_as_float32(capsys) -> None:
         return (diff.norm() / norm).item(), diff.abs().max().item()
 
     rows = {
-        ("sum of VN grads", "deterministic"): error(exact, vn_sum),
-        ("sum of VN grads", "default"): error(default, vn_sum),
-        ("float64 model", "deterministic"): error(exact, full64),
-        ("float64 model", "default"): error(default, full64),
+        (reference, kind or "default"): error(got[kind], want)
+        for reference, want in (("sum of VN grads", vn_sum), ("float64 model", full64))
+        for kind in got
     }
     with capsys.disabled():
         print("\nreduced-gradient error, V=256 (relative 2-norm, max abs):")
         for (reference, mode), (rel, worst) in rows.items():
             print(f"  vs {reference:16s} {mode:14s} {rel:.3e} {worst:.3e}")
     for reference in ("sum of VN grads", "float64 model"):
-        det, dflt = rows[(reference, "deterministic")], rows[(reference, "default")]
-        assert det[0] <= dflt[0] and det[1] <= dflt[1], (reference, det, dflt)
+        dflt = rows[(reference, "default")]
+        for kind in KINDS:
+            det = rows[(reference, kind)]
+            assert det[0] <= dflt[0] and det[1] <= dflt[1], (reference, kind, det, dflt)
     # Accumulation alone: one float32 rounding of the exact sum, nothing more.
-    assert rows[("sum of VN grads", "deterministic")][0] < 2.0**-23
+    assert rows[("sum of VN grads", "exact")][0] < 2.0**-23
 
 
 def _poisoned_batch(value: float):
@@ -254,11 +270,12 @@ def _poisoned_batch(value: float):
     return x, y[:32]
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("value", [math.inf, math.nan], ids=["inf", "nan"])
-def test_a_nonfinite_vn_gradient_raises_and_changes_nothing(value: float) -> None:
+def test_a_nonfinite_vn_gradient_raises_and_changes_nothing(value: float, kind: str) -> None:
     model = SmallCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    with vflow.Executor(model, optimizer, cnn_loss, 8, deterministic=True) as ex:
+    with vflow.Executor(model, optimizer, cnn_loss, 8, deterministic=kind) as ex:
         ex.step(cnn_batch(32))
         before = snapshot(model, optimizer)
         with pytest.raises(FloatingPointError, match="vflow step 1: a gradient .* inf or NaN"):
@@ -271,11 +288,12 @@ def test_a_nonfinite_vn_gradient_raises_and_changes_nothing(value: float) -> Non
         assert ex.step_count == 2
 
 
-def test_a_nonfinite_vn_gradient_skips_the_step_with_skip_nonfinite() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_nonfinite_vn_gradient_skips_the_step_with_skip_nonfinite(kind: str) -> None:
     model = SmallCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with vflow.Executor(
-        model, optimizer, cnn_loss, 8, deterministic=True, skip_nonfinite=True
+        model, optimizer, cnn_loss, 8, deterministic=kind, skip_nonfinite=True
     ) as ex:
         before = snapshot(model, optimizer)
         result = ex.step(_poisoned_batch(math.inf))
@@ -285,10 +303,9 @@ def test_a_nonfinite_vn_gradient_skips_the_step_with_skip_nonfinite() -> None:
         assert all(torch.equal(after[k], before[k]) for k in params)
 
 
-def test_a_sum_beyond_float32_is_reported_not_rounded_to_a_wrong_value() -> None:
-    """Every VN's gradient is finite; what matters is whether the normalised global
-    gradient fits float32. Column 0 of a sample is its num_items, the others multiply
-    the parameter, so the gradient is sum(samples) / sum(num_items)."""
+def _overflow_setup() -> tuple[nn.Module, nn.Parameter, Callable, torch.Tensor, float]:
+    """Column 0 of a sample is its num_items, the others multiply the parameter, so
+    the gradient is sum(samples) / sum(num_items)."""
     weight = nn.Parameter(torch.ones(2))
     holder = nn.Module()
     holder.weight = weight
@@ -297,9 +314,15 @@ def test_a_sum_beyond_float32_is_reported_not_rounded_to_a_wrong_value() -> None
         return (model.weight * batch[:, 1:]).sum(), batch[:, 0].sum()
 
     big = torch.tensor(3.0e38).item()  # as float32 rounds it
-    batch = torch.tensor([[1.0, big, 1.0]] * 4)
+    return holder, weight, loss_fn, torch.tensor([[1.0, big, 1.0]] * 4), big
+
+
+def test_exact_reports_a_sum_beyond_float32_and_normalises_before_rounding() -> None:
+    """Every VN's gradient is finite; with "exact" what matters is whether the
+    normalised global gradient fits float32."""
+    holder, weight, loss_fn, batch, big = _overflow_setup()
     optimizer = torch.optim.SGD([weight], lr=1e-38)
-    with vflow.Executor(holder, optimizer, loss_fn, 4, deterministic=True) as ex:
+    with vflow.Executor(holder, optimizer, loss_fn, 4, deterministic="exact") as ex:
         overflowing = batch.clone()
         overflowing[1:, 0] = 0.0  # sum(num_items) = 1: the gradient is 4 * 3e38
         with pytest.raises(FloatingPointError, match="does not fit float32"):
@@ -312,6 +335,22 @@ def test_a_sum_beyond_float32_is_reported_not_rounded_to_a_wrong_value() -> None
         assert weight.grad[0].item() == big and weight.grad[1].item() == 1.0
 
 
+def test_ordered_reports_a_raw_sum_beyond_float32() -> None:
+    """ "ordered" adds in float32 before normalising: a raw sum that overflows is
+    reported (never rounded to a wrong finite value), even where the normalised
+    gradient would fit."""
+    holder, weight, loss_fn, batch, _ = _overflow_setup()
+    optimizer = torch.optim.SGD([weight], lr=1e-38)
+    with vflow.Executor(holder, optimizer, loss_fn, 4, deterministic=True) as ex:
+        for num_items in (1.0, 4.0):
+            overflowing = batch.clone()
+            overflowing[:, 0] = num_items / 4
+            with pytest.raises(FloatingPointError, match="does not fit float32"):
+                ex.step(overflowing)
+            assert torch.equal(weight.detach(), torch.ones(2))
+        assert ex.step_count == 0
+
+
 def cnn_batch(size: int):
     x, y = cnn_batches()[1]
     return x[:size], y[:size]
@@ -322,17 +361,33 @@ def test_deterministic_arguments_are_checked_before_anything_changes() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(TypeError, match="deterministic must be a bool"):
         vflow.Executor(model, optimizer, cnn_loss, 4, deterministic=1)
+    with pytest.raises(ValueError, match='deterministic must be False, True, "ordered" or'):
+        vflow.Executor(model, optimizer, cnn_loss, 4, deterministic="tree")
     with pytest.raises(ValueError, match="accumulate_dtype must be torch.float32"):
         vflow.Executor(
-            model, optimizer, cnn_loss, 4, deterministic=True, accumulate_dtype=torch.float64
+            model, optimizer, cnn_loss, 4, deterministic="exact", accumulate_dtype=torch.float64
         )
     with pytest.raises(ValueError, match="at most 32767 virtual nodes"):
-        vflow.Executor(model, optimizer, cnn_loss, 40000, deterministic=True)
+        vflow.Executor(model, optimizer, cnn_loss, 40000, deterministic="exact")
     wide = SmallCNN().double()
     with pytest.raises(ValueError, match="float64"):
         vflow.Executor(
-            wide, torch.optim.SGD(wide.parameters(), lr=0.1), cnn_loss, 4, deterministic=True
+            wide, torch.optim.SGD(wide.parameters(), lr=0.1), cnn_loss, 4, deterministic="exact"
         )
     # None of the failed constructions holds the model.
     with vflow.Executor(model, optimizer, cnn_loss, 4, deterministic=True) as ex:
-        assert ex.deterministic
+        assert ex.deterministic == "ordered"
+
+
+def test_ordered_accepts_float64() -> None:
+    """The fixed tree adds in the accumulator's dtype, so float64 parameters and
+    accumulate_dtype=torch.float64 are fine; the gradient matches the default path."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4)).double()
+    x = torch.randn(24, 8, dtype=torch.float64)
+    batch = (x, x[:, :4].argmax(1))
+    ordered = _reduced_gradient("ordered", model, batch, 6)
+    default = _reduced_gradient(False, model, batch, 6)
+    for a, b in zip(ordered, default, strict=True):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)

@@ -19,11 +19,11 @@ import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from vflow import checkpoint, distributed, rng
+from vflow import checkpoint, distributed, rng, tree
 from vflow._checks import require_int
 from vflow._extension import _C
 from vflow.amp import LossScaler
@@ -131,12 +131,16 @@ class Executor:
         broadcast_parameters: with a process group, copy rank 0's parameters and
             buffers to every rank at construction (as DDP does), so replicas start equal.
         deterministic: make training bitwise identical for a given V and seed whatever
-            the number of workers and the plan: gradients are summed exactly in integers
-            (Note [Exact accumulation] in csrc/exact.h), the loss and module buffers are
-            reduced VN by VN in VN order. Needs float32 accumulation and non-float64
-            parameters; a gradient that is inf/NaN or whose sum overflows float32 skips
-            the step with ``skip_nonfinite`` or else raises FloatingPointError. See
-            docs/reproducibility.md for the conditions and the cost.
+            the number of workers and the plan; the loss and module buffers are then
+            reduced VN by VN in VN order, and a gradient sum that is inf/NaN skips the
+            step with ``skip_nonfinite`` or else raises FloatingPointError. How the
+            gradients are summed: ``True`` or ``"ordered"`` adds them in float in one
+            fixed binary tree over the VN indices (Note [Ordered sum] in
+            csrc/reducer.h; about the cost of the default path); ``"exact"`` sums them
+            exactly in integers (Note [Exact accumulation] in csrc/exact.h; more
+            accurate, about twice the communication, float32 accumulation and
+            non-float64 parameters only). See docs/reproducibility.md for the
+            conditions and the cost. Stored normalised: False, "ordered" or "exact".
     """
 
     def __init__(
@@ -159,7 +163,7 @@ class Executor:
         bucket_cap_mb: float = 25.0,
         first_bucket_mb: float = 1.0,
         broadcast_parameters: bool = True,
-        deterministic: bool = False,
+        deterministic: bool | str = False,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -204,10 +208,19 @@ class Executor:
                 f"{type(loss_scale).__name__}"
             )
         params = self._trainable_params(model, optimizer)
-        if not isinstance(deterministic, bool):
-            raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+        if not isinstance(deterministic, (bool, str)):
+            raise TypeError(
+                f'deterministic must be a bool, "ordered" or "exact", got '
+                f"{type(deterministic).__name__}"
+            )
+        if deterministic is True:
+            deterministic = "ordered"
+        if deterministic not in (False, "ordered", "exact"):
+            raise ValueError(
+                f'deterministic must be False, True, "ordered" or "exact", got {deterministic!r}'
+            )
         if deterministic:
-            self._check_deterministic_support(params, accumulate_dtype)
+            self._check_deterministic_support(params, accumulate_dtype, deterministic)
         owner = _OWNERS.get(model)
         if owner is not None and owner() is not None:
             raise ValueError(
@@ -269,7 +282,8 @@ class Executor:
         else:
             self.scaler = None
         self.skip_nonfinite = self.scaler is not None if skip_nonfinite is None else skip_nonfinite
-        self.deterministic = deterministic
+        self.deterministic: Literal[False, "ordered", "exact"] = deterministic
+        self._tree: tuple[Plan, tree.TreeSchedule] | None = None
         self.step_count = 0
         self.skipped_steps = 0
         self._device = params[0].device
@@ -289,7 +303,8 @@ class Executor:
             process_group=group,
             timeout=timeout,
             group_description="this process" if group is None else distributed.describe(group),
-            exact=deterministic,
+            exact=deterministic == "exact",
+            ordered=deterministic == "ordered",
         )
         _OWNERS[model] = weakref.ref(self)
 
@@ -311,29 +326,31 @@ class Executor:
         self._plan = plan
 
     def _check_deterministic_support(
-        self, params: list[torch.nn.Parameter], accumulate_dtype: torch.dtype
+        self, params: list[torch.nn.Parameter], accumulate_dtype: torch.dtype, kind: str
     ) -> None:
-        if accumulate_dtype != torch.float32:
-            raise ValueError(
-                f"deterministic=True sums gradients exactly and converts them to float32 once; "
-                f"accumulate_dtype must be torch.float32, got {accumulate_dtype}"
-            )
-        wide = [tuple(p.shape) for p in params if p.dtype == torch.float64]
-        if wide:
-            raise ValueError(
-                f"deterministic=True supports float32, bfloat16 and float16 parameters; "
-                f"{len(wide)} trainable parameter(s) are float64 (first shape {wide[0]})"
-            )
-        if self.virtual_nodes > _C.EXACT_MAX_TERMS:
-            raise ValueError(
-                f"deterministic=True supports at most {_C.EXACT_MAX_TERMS} virtual nodes (the "
-                f"exact sums would overflow beyond), got virtual_nodes={self.virtual_nodes}"
-            )
         if any(p.is_cuda for p in params) and not torch.are_deterministic_algorithms_enabled():
             _log.warning(
                 "vflow: deterministic=True on CUDA also needs deterministic kernels in the "
                 "model: call torch.use_deterministic_algorithms(True) (see "
                 "docs/reproducibility.md)"
+            )
+        if kind != "exact":
+            return
+        if accumulate_dtype != torch.float32:
+            raise ValueError(
+                f'deterministic="exact" sums gradients exactly and converts them to float32 once; '
+                f"accumulate_dtype must be torch.float32, got {accumulate_dtype}"
+            )
+        wide = [tuple(p.shape) for p in params if p.dtype == torch.float64]
+        if wide:
+            raise ValueError(
+                f'deterministic="exact" supports float32, bfloat16 and float16 parameters; '
+                f"{len(wide)} trainable parameter(s) are float64 (first shape {wide[0]})"
+            )
+        if self.virtual_nodes > _C.EXACT_MAX_TERMS:
+            raise ValueError(
+                f'deterministic="exact" supports at most {_C.EXACT_MAX_TERMS} virtual nodes (the '
+                f"exact sums would overflow beyond), got virtual_nodes={self.virtual_nodes}"
             )
 
     @staticmethod
@@ -457,6 +474,7 @@ class Executor:
     def _forward_backward_reduce(
         self, batch: Batch, slices: list[VNSlice], total: int, clock: PhaseClock
     ) -> tuple[float, float, torch.Tensor | None, float | None]:
+        vn_steps = self._tree_schedule().vn_steps if self.deterministic == "ordered" else None
         self._grads.begin_step(self.step_count)
         scale = 1.0 if self.scaler is None else self.scaler.scale
         kind: str | None = None
@@ -484,7 +502,12 @@ class Executor:
             if last:
                 stats = self._local_stats(loss_parts, item_parts, kind)
                 self._grads.start_stats(stats)
-            self._grads.backward(loss.float() * scale if scale != 1.0 else loss, weight, last)
+            self._grads.backward(
+                loss.float() * scale if scale != 1.0 else loss,
+                weight,
+                last,
+                None if vn_steps is None else vn_steps[position],
+            )
             self._buffers.end_vn(vn)
         clock.mark()
         self._grads.wait_stats()
@@ -510,8 +533,8 @@ class Executor:
         if self.deterministic and not self.skip_nonfinite and bool(found):
             raise FloatingPointError(
                 f"vflow step {self.step_count}: a gradient of the global batch is inf or NaN, "
-                "or its exact sum does not fit float32 (deterministic=True never hands such a "
-                "sum to the optimizer); nothing was changed. Pass skip_nonfinite=True to skip "
+                "or its sum does not fit float32 (deterministic mode never hands such a sum "
+                "to the optimizer); nothing was changed. Pass skip_nonfinite=True to skip "
                 "such steps instead"
             )
         grad_norm = None
@@ -519,6 +542,18 @@ class Executor:
             grad_norm = self._clip()
         clock.mark()
         return loss_value, num_items, found, grad_norm
+
+    def _tree_schedule(self) -> tree.TreeSchedule:
+        """This worker's schedule of Note [Ordered sum] for the current plan, handed to
+        the reducer when the plan changed."""
+        if self._tree is None or self._tree[0] != self._plan:
+            ranges = [
+                (self._plan.vns(w).start, self._plan.vns(w).stop) for w in range(self.world_size)
+            ]
+            schedule = tree.schedule(ranges, self.rank, self.virtual_nodes)
+            self._grads.set_tree(schedule.cover_counts, schedule.combine_merges)
+            self._tree = (self._plan, schedule)
+        return self._tree[1]
 
     def _vn_batch(self, batch: Batch, start: int, size: int) -> Batch:
         vn_batch = slice_batch(batch, start, start + size)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from vflow._extension import _C
+from vflow.tree import VNStep
 
 
 @dataclass
@@ -54,14 +55,15 @@ class GradAccumulator:
         timeout: datetime.timedelta = datetime.timedelta(minutes=10),
         group_description: str = "the process group",
         exact: bool = False,
+        ordered: bool = False,
     ) -> None:
         by_key: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
         for p in params:
             by_key.setdefault((p.device, p.dtype), []).append(p)
-        ordered = [list(reversed(members)) for members in by_key.values()]
+        in_slot_order = [list(reversed(members)) for members in by_key.values()]
         acc_dtypes = [accumulation_dtype(dtype, accumulate_dtype) for _, dtype in by_key]
         self.reducer = _C.Reducer(
-            ordered,
+            in_slot_order,
             acc_dtypes,
             first_bucket_bytes=first_bucket_bytes,
             bucket_cap_bytes=bucket_cap_bytes,
@@ -69,9 +71,10 @@ class GradAccumulator:
             timeout_seconds=timeout.total_seconds(),
             description=group_description,
             exact=exact,
+            ordered=ordered,
         )
         self.groups: list[_Group] = []
-        for members, buffer in zip(ordered, self.reducer.buffers, strict=True):
+        for members, buffer in zip(in_slot_order, self.reducer.buffers, strict=True):
             group = _Group(members, buffer)
             if members[0].dtype != buffer.data.dtype:
                 group.mirror = torch.zeros_like(buffer.data, dtype=members[0].dtype)
@@ -105,11 +108,21 @@ class GradAccumulator:
             for p in group.params:
                 p.grad = None
 
-    def backward(self, loss: torch.Tensor, weight: float, last: bool) -> None:
+    def set_tree(self, cover_counts: Sequence[int], combine_merges: Sequence[int]) -> None:
+        """Ordered mode: the tree schedule of the following steps (vflow.tree)."""
+        self.reducer.set_tree(list(cover_counts), list(combine_merges))
+
+    def backward(
+        self, loss: torch.Tensor, weight: float, last: bool, tree_step: VNStep | None = None
+    ) -> None:
         """Runs ``loss.backward()`` and adds ``weight`` x its gradients to the buffers.
         With ``last`` (this worker's last VN of the step) the buckets' all-reduces start
-        while backward runs."""
-        self.reducer.begin_vn(weight, last)
+        while backward runs. In ordered mode ``tree_step`` says where the gradients go
+        on the stack of Note [Ordered sum]."""
+        if tree_step is None:
+            self.reducer.begin_vn(weight, last)
+        else:
+            self.reducer.begin_vn(weight, last, tree_step.level, tree_step.merges)
         self._capturing = True
         try:
             loss.backward()
