@@ -10,7 +10,9 @@
 #      against the CPU's integers, the executor on the GPU;
 #   3. benchmarks/accumulate.py on the GPU: fused-accumulate GB/s against the copy
 #      bandwidth measured in the same run (target >= 85 %), and the exact kernels;
-#   4. benchmarks/step.py on the GPU: Executor.step against a hand-written loop.
+#   4. benchmarks/step.py on the GPU: Executor.step against a hand-written loop;
+#   5. benchmarks/prefetch.py on the GPU: batches on the CPU fed through pinned memory
+#      and a side stream, with and without prefetching, against the ideal.
 #
 # Usage: benchmarks/gpu_check.sh [LOG_DIR]
 #   LOG_DIR (or VFLOW_GPU_LOG_DIR): where full logs and JSON go (default ./gpu_check_logs).
@@ -67,7 +69,7 @@ build() {
 cuda_tests() {
   "$PYTHON" -m pytest -q -p no:cacheprovider -k "cuda" \
     tests/test_kernels.py tests/test_exact.py tests/test_executor.py tests/test_grad_buffer.py \
-    tests/test_reducer.py tests/test_memory.py tests/test_tree.py
+    tests/test_reducer.py tests/test_memory.py tests/test_tree.py tests/test_prefetch.py
 }
 
 quick_flag=()
@@ -83,12 +85,18 @@ step() {
     --json "$LOG_DIR/step.json"
 }
 
+prefetch() {
+  "$PYTHON" benchmarks/prefetch.py --device cuda "${quick_flag[@]}" --reps 10 \
+    --json "$LOG_DIR/prefetch.json"
+}
+
 run_stage environment environment
 run_stage build build
 if [[ $FAILED == 0 ]]; then
   run_stage cuda_tests cuda_tests
   run_stage accumulate accumulate
   run_stage step step
+  run_stage prefetch prefetch
 fi
 
 printf '\n=== GPU check summary (%ss in all; logs in %s)\n' "$((SECONDS - START))" "$LOG_DIR"
@@ -119,6 +127,13 @@ if st.exists():
         rows.append((f"step {r['model']} V={r['virtual_nodes']}", "",
                      f"{r['vflow_median_s'] * 1e3:.2f} ms",
                      f"hand loop {r['hand_median_s'] * 1e3:.2f} ms, ratio {r['ratio']:.2f}"))
+pf = log_dir / "prefetch.json"
+if pf.exists():
+    for r in json.loads(pf.read_text()):
+        rows.append((f"prefetch {r['load_kind']} L={r['load_s'] * 1e3:.1f} ms", "",
+                     f"{r['prefetch_s'] * 1e3:.2f} ms",
+                     f"no prefetch {r['no_prefetch_s'] * 1e3:.2f} ms, ideal "
+                     f"{r['ideal_s'] * 1e3:.2f} ms, hidden {100 * r['hidden_fraction']:.0f}%"))
 for name, _, value, note in rows:
     print(f"{name:44s} {value:>10s}  {note}")
 EOF

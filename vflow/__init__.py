@@ -14,6 +14,7 @@ from vflow.data import VNBatchSampler
 from vflow.distributed import CollectiveError
 from vflow.executor import Executor, PhaseTimings, StepResult
 from vflow.plan import Plan, VNSlice
+from vflow.prefetch import VNTransform
 
 __all__ = [
     "_C",
@@ -25,6 +26,7 @@ __all__ = [
     "StepResult",
     "VNBatchSampler",
     "VNSlice",
+    "VNTransform",
     "load",
     "save",
     "split_sizes",

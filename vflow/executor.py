@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,6 +32,7 @@ from vflow.batching import Batch, batch_size, concat_outputs, map_batch, slice_b
 from vflow.grads import GradAccumulator
 from vflow.module_buffers import BUFFER_RULES, BufferRule
 from vflow.plan import Plan, VNSlice
+from vflow.prefetch import Prefetcher, VNTransform
 from vflow.timing import PhaseClock
 
 LossFn = Callable[[torch.nn.Module, Batch], Any]
@@ -141,6 +143,18 @@ class Executor:
             accurate, about twice the communication, float32 accumulation and
             non-float64 parameters only). See docs/reproducibility.md for the
             conditions and the cost. Stored normalised: False, "ordered" or "exact".
+        prefetch: prepare the next VN's batch in a background thread while the current
+            VN computes (Note [Prefetch] in vflow/prefetch.py): slicing, the
+            deterministic-mode copy, ``vn_transform`` and, for a model on a GPU and a
+            batch on the CPU, the copy to the GPU on a side stream. Results are the same
+            with and without it.
+        vn_transform: ``fn(vn_batch, generator) -> vn_batch`` applied to every VN's
+            batch before ``loss_fn`` (decoding, augmentation, collation). It runs in the
+            prefetch thread, so it must not use torch's global random generator: draw
+            from ``generator``, a CPU generator seeded from (seed, step, VN) — the same
+            draws for a VN under every plan. It must keep the number of samples and not
+            modify its input in place (outside deterministic mode that input is a view
+            of the caller's batch). ``infer`` does not apply it.
     """
 
     def __init__(
@@ -164,6 +178,8 @@ class Executor:
         first_bucket_mb: float = 1.0,
         broadcast_parameters: bool = True,
         deterministic: bool | str = False,
+        prefetch: bool = True,
+        vn_transform: VNTransform | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -175,6 +191,12 @@ class Executor:
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         self.virtual_nodes = require_int("virtual_nodes", virtual_nodes, 1)
         self.seed = require_int("seed", seed, 0)
+        if not isinstance(prefetch, bool):
+            raise TypeError(f"prefetch must be a bool, got {type(prefetch).__name__}")
+        if vn_transform is not None and not callable(vn_transform):
+            raise TypeError(
+                f"vn_transform must be callable or None, got {type(vn_transform).__name__}"
+            )
         if amp is not None and amp not in _AMP_DTYPES:
             raise ValueError(f"amp must be None, 'bf16' or 'fp16', got {amp!r}")
         if accumulate_dtype not in (torch.float32, torch.float64):
@@ -184,7 +206,9 @@ class Executor:
         if buffer_rule not in BUFFER_RULES:
             raise ValueError(f"buffer_rule must be one of {BUFFER_RULES}, got {buffer_rule!r}")
         if max_grad_norm is not None and not (
-            isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0
+            isinstance(max_grad_norm, (int, float))
+            and not isinstance(max_grad_norm, bool)
+            and max_grad_norm > 0
         ):
             raise ValueError(
                 f"max_grad_norm must be a positive number or None, got {max_grad_norm}"
@@ -250,6 +274,7 @@ class Executor:
                     loss_scale if isinstance(loss_scale, (bool, type(None))) else "scaler",
                     skip_nonfinite,
                     deterministic,
+                    broadcast_parameters,
                 )
             )
             self._collectives.check_agreement(
@@ -260,7 +285,8 @@ class Executor:
                         "settings",
                         settings,
                         f"(seed, amp, accumulate_dtype, buffer_rule, max_grad_norm, bucket "
-                        f"caps, loss_scale, skip_nonfinite, deterministic) = {settings}",
+                        f"caps, loss_scale, skip_nonfinite, deterministic, "
+                        f"broadcast_parameters) = {settings}",
                     ),
                 ]
             )
@@ -295,6 +321,8 @@ class Executor:
         self.process_group = group
         self.rank = 0 if group is None else group.rank()
         self.world_size = world_size
+        self._prefetcher = Prefetcher(self._device, prefetch)
+        self.vn_transform = vn_transform
         self._grads = GradAccumulator(
             params,
             accumulate_dtype,
@@ -477,12 +505,33 @@ class Executor:
         vn_steps = self._tree_schedule().vn_steps if self.deterministic == "ordered" else None
         self._grads.begin_step(self.step_count)
         scale = 1.0 if self.scaler is None else self.scaler.scale
+        jobs = [
+            functools.partial(self._vn_batch, batch, start, size, vn) for vn, start, size in slices
+        ]
+        # Plain slicing is a few views: not worth a thread hand-off.
+        background = (
+            bool(self.deterministic)
+            or self.vn_transform is not None
+            or self._prefetcher.needs_transfer(batch)
+        )
+        vn_batches = self._prefetcher.batches(jobs, background)
+        with contextlib.closing(vn_batches):
+            return self._run_vns(slices, total, vn_batches, vn_steps, scale, clock)
+
+    def _run_vns(
+        self,
+        slices: list[VNSlice],
+        total: int,
+        vn_batches: Iterator[Batch],
+        vn_steps: tuple[tree.VNStep, ...] | None,
+        scale: float,
+        clock: PhaseClock,
+    ) -> tuple[float, float, torch.Tensor | None, float | None]:
         kind: str | None = None
         loss_parts: list[tuple[int, torch.Tensor]] = []
         item_parts: list[torch.Tensor] = []
-        for position, (vn, start, size) in enumerate(slices):
+        for position, ((vn, _, size), vn_batch) in enumerate(zip(slices, vn_batches, strict=True)):
             last = position == len(slices) - 1
-            vn_batch = self._vn_batch(batch, start, size)
             rng.seed_all(rng.vn_seed(self.seed, self.step_count, vn), self._devices)
             with self._autocast():
                 out = self.loss_fn(self.model, vn_batch)
@@ -555,14 +604,28 @@ class Executor:
             self._tree = (self._plan, schedule)
         return self._tree[1]
 
-    def _vn_batch(self, batch: Batch, start: int, size: int) -> Batch:
+    def _vn_batch(self, batch: Batch, start: int, size: int, vn: int) -> Batch:
+        """VN ``vn``'s batch, ready for loss_fn except for the move to the GPU; runs in
+        the prefetch thread (Note [Prefetch])."""
         vn_batch = slice_batch(batch, start, start + size)
-        if not self.deterministic:
-            return vn_batch
-        # A VN's slice starts at a different offset (and alignment) under different
-        # plans; some CPU kernels' summation order depends on the alignment of their
-        # input, so every VN gets a fresh, equally aligned copy.
-        return map_batch(vn_batch, lambda t: t.clone(memory_format=torch.contiguous_format))
+        if self.deterministic:
+            # A VN's slice starts at a different offset (and alignment) under different
+            # plans; some CPU kernels' summation order depends on the alignment of their
+            # input, so every VN gets a fresh, equally aligned copy.
+            vn_batch = map_batch(vn_batch, lambda t: t.clone(memory_format=torch.contiguous_format))
+        if self.vn_transform is not None:
+            generator = torch.Generator().manual_seed(
+                rng.vn_seed(self.seed, self.step_count, vn, rng.DATA_STREAM)
+            )
+            vn_batch = self.vn_transform(vn_batch, generator)
+            got = batch_size(vn_batch)
+            if got != size:
+                # The VN's loss weight and the step's item count come from its size.
+                raise ValueError(
+                    f"vn_transform returned a batch of {got} samples for virtual node {vn}, "
+                    f"which has {size}; it must keep the number of samples"
+                )
+        return vn_batch
 
     def _local_stats(
         self,
@@ -768,6 +831,7 @@ class Executor:
             return
         grads.close()
         self._grads = None
+        self._prefetcher.close()
         owner = _OWNERS.get(self.model)
         if owner is not None and owner() is self:
             del _OWNERS[self.model]

@@ -19,6 +19,7 @@ _MASK64 = (1 << 64) - 1
 # Distinct streams so that training and inference at the same step never share draws.
 TRAIN_STREAM = 0
 INFER_STREAM = 1
+DATA_STREAM = 2  # the generator handed to a VN's vn_transform
 
 
 def _splitmix64(x: int) -> int:
