@@ -19,7 +19,7 @@ $(DEPS_STAMP):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" numpy ninja setuptools wheel \
-		pytest ruff scikit-learn
+		pytest ruff scikit-learn matplotlib
 	touch $@
 
 $(BUILD_STAMP): $(DEPS_STAMP) $(EXT_SOURCES)
@@ -33,9 +33,7 @@ test: $(BUILD_STAMP)
 	$(PY) -m pytest -q tests
 
 bench: $(BUILD_STAMP)
-	$(PY) benchmarks/accumulate.py $(ARGS)
-	$(PY) benchmarks/step.py $(ARGS)
-	$(PY) benchmarks/distributed.py $(ARGS)
+	$(PY) -m vflow bench $(ARGS)
 
 lint: $(DEPS_STAMP)
 	$(VENV)/bin/ruff check vflow tests benchmarks examples setup.py
