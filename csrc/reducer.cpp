@@ -31,6 +31,20 @@ constexpr int64_t kExactWireBytes = 1 + 8;
 // 2 log2(V) nodes, i.e. < 32 for the largest V deterministic mode accepts).
 constexpr int64_t kTagLevels = 64;
 
+// Issues one pair of ranks' transfers in an order both sides agree on: backends that
+// run a pair's transfers in issue order (NCCL) would deadlock if both sides received
+// first, so the lower rank sends first.
+template <typename Send, typename Receive>
+void in_pair_order(int64_t rank, int64_t peer, Send send, Receive receive) {
+  if (rank < peer) {
+    send();
+    receive();
+  } else {
+    receive();
+    send();
+  }
+}
+
 int tag_of(size_t bucket, int64_t level, int64_t phase) {
   const int64_t tag = (static_cast<int64_t>(bucket) * kTagLevels + level) * 2 + phase;
   TORCH_CHECK(tag <= std::numeric_limits<int>::max(), "too many buckets for point-to-point "
@@ -344,20 +358,17 @@ at::Tensor Reducer::exact_slice(const at::Tensor& plane, const Bucket& bucket) c
 }
 
 void Reducer::zero_run(int64_t buffer, int64_t first, int64_t last) {
-  if (ordered_) {
-    const auto& offsets = buffers_[buffer]->offsets();
-    const int64_t begin = offsets[first];
-    const int64_t numel = offsets[last] + buffers_[buffer]->numels()[last] - begin;
-    level(buffer, vn_level_).narrow(0, begin, numel).zero_();
-    return;
-  }
-  if (!exact_) {
+  if (!exact_ && !ordered_) {
     buffers_[buffer]->zero_slots_(first, last);
     return;
   }
   const auto& offsets = buffers_[buffer]->offsets();
   const int64_t begin = offsets[first];
   const int64_t numel = offsets[last] + buffers_[buffer]->numels()[last] - begin;
+  if (ordered_) {
+    level(buffer, vn_level_).narrow(0, begin, numel).zero_();
+    return;
+  }
   const ExactState& state = exact_states_[buffer];
   state.top.narrow(0, begin, numel).zero_();
   state.limbs.narrow(1, begin, numel).zero_();
@@ -668,15 +679,7 @@ void Reducer::start_partials_exchange(size_t index) {
         }
       }
     };
-    // Backends that run a pair's transfers in issue order (NCCL) would deadlock if
-    // both sides received first: the lower rank of a pair sends first.
-    if (rank < peer) {
-      sends();
-      receives();
-    } else {
-      receives();
-      sends();
-    }
+    in_pair_order(rank, peer, sends, receives);
   }
 }
 
@@ -727,13 +730,7 @@ void Reducer::combine_and_share(size_t index) {
                                             tag_of(index, 0, 1), false, sharing));
       }
     };
-    if (rank < peer) {  // see start_partials_exchange
-      send();
-      receive();
-    } else {
-      receive();
-      send();
-    }
+    in_pair_order(rank, peer, send, receive);
   }
 }
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vflow.batching import Batch, map_batch
+from vflow.batching import Batch, _leaves, map_batch
 
 # (vn batch, CPU generator for the VN) -> transformed vn batch
 VNTransform = Callable[[Batch, torch.Generator], Batch]
@@ -78,15 +78,7 @@ class Prefetcher:
         """Whether some tensor of ``batch`` must be copied to the model's GPU."""
         if self.device.type != "cuda":
             return False
-        found = False
-
-        def check(t: torch.Tensor) -> torch.Tensor:
-            nonlocal found
-            found = found or t.device.type == "cpu"
-            return t
-
-        map_batch(batch, check)
-        return found
+        return any(t.device.type == "cpu" for _, t in _leaves(batch, "batch"))
 
     def batches(
         self, jobs: Sequence[Callable[[], Batch]], background: bool = True
