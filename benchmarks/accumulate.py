@@ -317,6 +317,9 @@ def float_section(
                 "method": method,
                 "bytes": case.bytes_moved,
                 "copy_gbps": copy_gbps,
+                # The targets travel with the results, so a summary never restates them.
+                "target_fp32_copy_fraction": TARGET_FP32_COPY_FRACTION,
+                "target_bf16_speedup_vs_loop": TARGET_BF16_SPEEDUP,
             }
             if method in case.unsupported:
                 record |= {"status": "n/a", "error": case.unsupported[method]}

@@ -742,6 +742,7 @@ def summarise(
         "vflow_iqr_s": iqr(v_step),
         "ddp_iqr_s": iqr(d_step),
         "ratio": median(ratios),
+        "target_ratio": TARGET_RATIO,
         "ratio_iqr": iqr(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),

@@ -230,6 +230,7 @@ def bench_config(
         "vflow_median_s": median(v.times),
         "hand_median_s": median(h.times),
         "ratio": statistics.median(a / b for a, b in pairs),
+        "target_ratio": TARGET_RATIO,
         "ratio_of_medians": median(v.times) / median(h.times),
         "extra_s": statistics.median(a - b for a, b in pairs),
         "vflow_phases_s": v.phase_medians(),

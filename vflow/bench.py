@@ -84,13 +84,6 @@ BENCHMARKS: dict[str, Benchmark] = {
     )
 }
 
-# Targets the scripts print but do not write into their records; they mirror the
-# constants of benchmarks/accumulate.py and benchmarks/step.py and must follow them.
-ACCUMULATE_FP32_COPY_FRACTION = 0.80
-ACCUMULATE_BF16_SPEEDUP = 1.5
-STEP_RATIO = 1.05
-DISTRIBUTED_RATIO = 1.0
-
 # Method and kernel names as benchmarks/accumulate.py writes them.
 FUSED = "vflow accumulate_"
 LOOP = "per-tensor add_"
@@ -164,8 +157,11 @@ def _ms(seconds: Any) -> float | None:
     return None if value is None else value * 1e3
 
 
-def _judge(value: float | None, op: str, threshold: float) -> tuple[str, str]:
-    """The target text and the verdict, as the scripts print them."""
+def _judge(value: float | None, op: str, threshold: float | None) -> tuple[str, str]:
+    """The target text and the verdict, as the scripts print them; a record without its
+    target (written by an older script) gets none."""
+    if threshold is None:
+        return "", "-"
     target = f"{op} {threshold:g}"
     if value is None:
         return target, "n/a"
@@ -213,11 +209,15 @@ def accumulate_rows(records: Sequence[Record]) -> list[Row]:
         if dtype == "fp32":
             row.compared = f"{name} fp32: fused / copy GB/s"
             row.ratio = gbps / copy_gbps if gbps is not None and copy_gbps else None
-            row.target, row.result = _judge(row.ratio, ">=", ACCUMULATE_FP32_COPY_FRACTION)
+            row.target, row.result = _judge(
+                row.ratio, ">=", _num(fused.get("target_fp32_copy_fraction"))
+            )
         else:
             row.compared = f"{name} {dtype}->fp32: fused speedup vs loop"
             row.ratio = _num(fused.get("speedup_vs_loop"))
-            row.target, row.result = _judge(row.ratio, ">=", ACCUMULATE_BF16_SPEEDUP)
+            row.target, row.result = _judge(
+                row.ratio, ">=", _num(fused.get("target_bf16_speedup_vs_loop"))
+            )
         rows.append(row)
 
     exact: dict[tuple[str, str], dict[str, Record]] = {}
@@ -256,7 +256,7 @@ def step_rows(records: Sequence[Record]) -> list[Row]:
             continue
         model, v = _field(r, "model"), _field(r, "virtual_nodes")
         ratio = _num(_field(r, "ratio"))
-        target, result = _judge(ratio, "<=", STEP_RATIO)
+        target, result = _judge(ratio, "<=", _num(r.get("target_ratio")))
         rows.append(
             Row(
                 benchmark="step",
@@ -284,7 +284,7 @@ def distributed_rows(records: Sequence[Record]) -> list[Row]:
         config = f"{_field(r, 'model')} V={_field(r, 'virtual_nodes')}"
         vflow_ms = _ms(_field(r, "vflow_median_s"))
         ratio = _num(_field(r, "ratio"))
-        target, result = _judge(ratio, "<=", DISTRIBUTED_RATIO)
+        target, result = _judge(ratio, "<=", _num(r.get("target_ratio")))
         rows.append(
             Row(
                 "distributed",
