@@ -120,9 +120,7 @@ import copy
 import faulthandler
 import json
 import multiprocessing as mp
-import os
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -153,6 +151,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import vflow
 from vflow import tree
+from vflow.distributed import use_loopback_for_gloo
 
 WORLD_SIZE = 2
 HOST = "127.0.0.1"
@@ -1007,15 +1006,6 @@ def print_results(r: dict[str, Any]) -> None:
     )
 
 
-def _use_loopback() -> None:
-    # Keep Gloo on loopback: by default it binds to the address the hostname resolves
-    # to, which may be an external interface that a sandbox blocks.
-    if "GLOO_SOCKET_IFNAME" not in os.environ:
-        loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
-        if loopback is not None:
-            os.environ["GLOO_SOCKET_IFNAME"] = loopback
-
-
 def rank_main(rank: int, port: int, cfg: Config, out_path: str, give_up_at: float) -> None:
     """One rank: joins the group, runs the methods, and on rank 0 prints the results
     and writes the record to ``out_path`` for the parent."""
@@ -1023,7 +1013,7 @@ def rank_main(rank: int, port: int, cfg: Config, out_path: str, give_up_at: floa
     # A rank still running shortly before the parent gives up (at wall-clock time
     # give_up_at) leaves its Python stacks on stderr, so a hang shows where it was stuck.
     faulthandler.dump_traceback_later(max(0.1, give_up_at - GRACE_S - time.time()))
-    _use_loopback()
+    use_loopback_for_gloo()
     timeout = timedelta(seconds=cfg.collective_timeout_s)
     try:
         store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import faulthandler
 import multiprocessing as mp
-import os
 import pickle
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -37,6 +35,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from vflow.distributed import use_loopback_for_gloo
 
 _HOST = "127.0.0.1"
 # How long a terminated rank gets to exit before it is killed outright.
@@ -156,12 +156,7 @@ def _rank_main(
     # the TimeoutError shows where it was stuck.
     stacks = (Path(out_dir) / f"rank{rank}.stacks").open("w")
     faulthandler.dump_traceback_later(dump_stacks_after, file=stacks)
-    # Keep Gloo on loopback: by default it binds to the address the hostname
-    # resolves to, which may be an external interface that a sandbox blocks.
-    if "GLOO_SOCKET_IFNAME" not in os.environ:
-        loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
-        if loopback is not None:
-            os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    use_loopback_for_gloo()
     value: Any = None
     error: str | None = None
     try:

@@ -18,9 +18,7 @@ import argparse
 import json
 import math
 import multiprocessing as mp
-import os
 import queue
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -149,10 +147,7 @@ def _worker(
     # Several workers share the cores; one intra-op thread each is also a condition
     # of bitwise reproducibility on CPU.
     torch.set_num_threads(1)
-    if "GLOO_SOCKET_IFNAME" not in os.environ:
-        loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
-        if loopback is not None:
-            os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    vflow.distributed.use_loopback_for_gloo()
     try:
         group = None
         if run.workers > 1:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import os
+import socket
 from collections.abc import Callable, Sequence
 
 import torch
@@ -22,6 +24,17 @@ from vflow._extension import _C
 from vflow.plan import Plan
 
 CollectiveError = _C.CollectiveError
+
+
+def use_loopback_for_gloo() -> None:
+    """For processes that only talk to each other on this host: keeps Gloo on the
+    loopback interface (unless GLOO_SOCKET_IFNAME is set). By default Gloo binds to the
+    address the hostname resolves to, which may be an external interface that a
+    sandbox blocks."""
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+        if loopback is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = loopback
 
 
 def resolve_group(process_group: object) -> dist.ProcessGroup | None:
