@@ -65,6 +65,7 @@ def _extension():
     print(f"vflow: CUDA kernels {'ON' if use_cuda else 'OFF'} ({reason})", flush=True)
     sources = [
         "csrc/bindings.cpp",
+        "csrc/collectives.cpp",
         "csrc/ops.cpp",
         "csrc/exact.cpp",
         "csrc/grad_buffer.cpp",

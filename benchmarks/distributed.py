@@ -151,7 +151,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import vflow
 from vflow import tree
-from vflow.distributed import use_loopback_for_gloo
+from vflow.distributed import Collectives, use_loopback_for_gloo
 
 WORLD_SIZE = 2
 HOST = "127.0.0.1"
@@ -575,9 +575,15 @@ class Bench:
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         bits = flat.view(torch.int32)
         reference = bits.clone()
-        dist.broadcast(reference, src=0)
+        # vflow's collectives, not dist's: this is the run's last collective, and a
+        # Gloo Work still holding a Python tensor at exit can abort the rank (Note
+        # [Collectives on tensors Python cannot see] in csrc/collectives.h).
+        collectives = Collectives(
+            dist.group.WORLD, timedelta(seconds=self.cfg.collective_timeout_s)
+        )
+        collectives.broadcast_from_first([reference], "broadcast of rank 0's parameters", None)
         count = torch.tensor([int((bits != reference).sum())], dtype=torch.int64)
-        dist.all_reduce(count)
+        collectives.sum([count], "sum of mismatched parameter elements", None)
         return int(count)
 
     def run(self) -> RankSeries:

@@ -3,6 +3,7 @@
 // against PyTorch baselines without a buffer in the way.
 #include <torch/extension.h>
 
+#include "collectives.h"
 #include "exact.h"
 #include "grad_buffer.h"
 #include "ops.h"
@@ -62,6 +63,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("offsets", &vflow::GradBuffer::offsets)
       .def_property_readonly("numels", &vflow::GradBuffer::numels)
       .def("__len__", &vflow::GradBuffer::num_slots);
+
+  // Note [Collectives on tensors Python cannot see]. The GIL is released while they
+  // wait, as for the Reducer below.
+  m.def("all_reduce_sum_", &vflow::all_reduce_sum_, py::arg("group"), py::arg("tensor"),
+        py::arg("timeout_seconds"), py::call_guard<py::gil_scoped_release>(),
+        "In place: tensor becomes its elementwise sum over the group.");
+  m.def("broadcast_", &vflow::broadcast_, py::arg("group"), py::arg("tensor"), py::arg("root"),
+        py::arg("timeout_seconds"), py::call_guard<py::gil_scoped_release>(),
+        "In place: tensor becomes group rank root's tensor.");
+  m.def("all_gather_into", &vflow::all_gather_into, py::arg("group"), py::arg("input"),
+        py::arg("outputs"), py::arg("timeout_seconds"),
+        py::call_guard<py::gil_scoped_release>(),
+        "outputs[r] becomes group rank r's input.");
 
   using vflow::Reducer;
   py::register_exception<vflow::CollectiveError>(m, "CollectiveError", PyExc_RuntimeError);

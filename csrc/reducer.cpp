@@ -1,5 +1,6 @@
 #include "reducer.h"
 
+#include "collectives.h"
 #include "ops.h"
 
 #include <c10/util/Exception.h>
@@ -12,13 +13,6 @@
 namespace vflow {
 
 namespace {
-
-std::string error_text(const std::exception& e) {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
-    return c10_error->what_without_backtrace();
-  }
-  return e.what();
-}
 
 const std::string kStatsName = "all-reduce of the step's loss and item totals";
 
@@ -207,6 +201,7 @@ void Reducer::begin_step(int64_t step) {
   next_launch_ = 0;
   early_launches_ = 0;
   stats_work_.reset();
+  stats_sum_ = at::Tensor();
   in_step_ = true;
   last_vn_ = false;
   step_ = step;
@@ -497,8 +492,9 @@ void Reducer::start_stats(const at::Tensor& stats) {
   TORCH_CHECK(in_step_, "Reducer::start_stats called outside a step");
   TORCH_CHECK(next_launch_ == 0 && !stats_work_,
               "Reducer::start_stats must precede every bucket's all-reduce and run once");
+  stats_sum_ = stats.clone(at::MemoryFormat::Contiguous);
   if (reduces()) {
-    stats_work_ = launch(stats, kStatsName);
+    stats_work_ = launch(stats_sum_, kStatsName);
   }
 }
 
@@ -531,17 +527,23 @@ void Reducer::wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::st
   }
 }
 
-void Reducer::wait_stats() {
+at::Tensor Reducer::wait_stats() {
   c10::intrusive_ptr<c10d::Work> work;
+  at::Tensor sums;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(stats_sum_.defined(), "Reducer::wait_stats must follow start_stats");
     work = stats_work_;
+    sums = stats_sum_;
   }
   if (work) {
     wait_for(work, kStatsName);
     std::lock_guard<std::mutex> lock(mutex_);
     stats_work_.reset();
   }
+  // A copy: stats_sum_ may still be held by the finished Work (Note [Collectives on
+  // tensors Python cannot see]).
+  return sums.clone();
 }
 
 void Reducer::finalize(double factor, const std::vector<at::Tensor>& found_nonfinite) {

@@ -190,13 +190,15 @@ class Reducer {
   // Drops gradients handed over by a VN whose backward failed.
   void abort_vn();
 
-  // Starts an all-reduce (SUM) of `stats`, a small tensor of per-worker totals on the
-  // buffers' communication device, ahead of every bucket of this step. No-op without
-  // a process group of size > 1.
+  // Starts an all-reduce (SUM) of a copy of `stats`, a small tensor of per-worker
+  // totals on the buffers' communication device, ahead of every bucket of this step
+  // (`stats` itself is not touched: Note [Collectives on tensors Python cannot see]).
+  // Without a process group of size > 1 nothing is reduced.
   void start_stats(const at::Tensor& stats);
 
-  // Waits for the all-reduce started by start_stats; `stats` then holds the sums.
-  void wait_stats();
+  // Waits for the all-reduce started by start_stats and returns the sums, as a new
+  // tensor.
+  at::Tensor wait_stats();
 
   // Waits for every bucket's all-reduce, then multiplies every buffer by `factor` in
   // one pass each; with `found_nonfinite` (0-dim float32 per device, see Note
@@ -315,6 +317,7 @@ class Reducer {
   int64_t step_ = 0;
   size_t next_launch_ = 0;
   c10::intrusive_ptr<c10d::Work> stats_work_;
+  at::Tensor stats_sum_;  // what stats_work_ reduces; never handed to Python
   double last_wait_seconds_ = 0.0;
   int64_t early_launches_ = 0;
 };

@@ -202,6 +202,12 @@ def _train(
             if group is not None
             else model
         )
+        # Not dist.all_reduce: see Note [Collectives on tensors Python cannot see].
+        collectives = (
+            vflow.distributed.Collectives(group, timedelta(seconds=120))
+            if group is not None
+            else None
+        )
     per_device = run.global_batch // run.workers
     for epoch in range(args["epochs"]):
         # The data order depends on (seed, epoch) alone: every run sees the same samples
@@ -220,8 +226,8 @@ def _train(
                 local.backward()
                 optimizer.step()
                 loss = local.detach()
-                if group is not None:
-                    dist.all_reduce(loss, group=group)
+                if collectives is not None:
+                    collectives.sum([loss], "all-reduce of the baseline's loss", step)
                     loss /= run.workers
                 loss = loss.item()
             outcome.losses.append(loss)

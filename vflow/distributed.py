@@ -118,12 +118,14 @@ class Collectives:
         self.timeout = timeout
         self.device = comm_device(group)
         self.description = describe(group)
-        self._root = dist.get_global_rank(group, 0)
+        self._timeout_s = timeout.total_seconds()
 
-    def _wait(self, work: dist.Work, what: str, step: int | None) -> None:
+    def _run(self, collective: Callable[[], None], what: str, step: int | None) -> None:
+        """Runs one of the ``_C`` collectives, which copy their tensors (Note
+        [Collectives on tensors Python cannot see] in csrc/collectives.h)."""
         where = "vflow" if step is None else f"vflow step {step}"
         try:
-            work.wait(self.timeout)
+            collective()
         except RuntimeError as e:
             raise CollectiveError(
                 f"{where}: {what} on {self.description} failed or timed out (timeout "
@@ -136,9 +138,13 @@ class Collectives:
         ``what``: (name, full text of the value, how to show it in the error).
         """
         mine = torch.tensor([_fingerprint(text) for _, text, _ in what], dtype=torch.int64)
-        gathered = [torch.empty_like(mine, device=self.device) for _ in range(self.size)]
-        work = dist.all_gather(gathered, mine.to(self.device), group=self.group, async_op=True)
-        self._wait(work, "checking that all ranks agree on the plan and the model", None)
+        mine = mine.to(self.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.size)]
+        self._run(
+            lambda: _C.all_gather_into(self.group, mine, gathered, self._timeout_s),
+            "checking that all ranks agree on the plan and the model",
+            None,
+        )
         table = torch.stack([t.cpu() for t in gathered])
         for column, (name, _, shown) in enumerate(what):
             differ = (table[:, column] != table[self.rank, column]).nonzero().flatten().tolist()
@@ -155,7 +161,7 @@ class Collectives:
         """Copies rank 0's values into ``tensors`` on every rank."""
         self._coalesced(
             tensors,
-            lambda flat: dist.broadcast(flat, src=self._root, group=self.group, async_op=True),
+            lambda flat: _C.broadcast_(self.group, flat, 0, self._timeout_s),
             what,
             step,
         )
@@ -163,22 +169,22 @@ class Collectives:
     def sum(self, tensors: Sequence[torch.Tensor], what: str, step: int | None) -> None:
         """In place: each tensor becomes its sum over the ranks."""
         self._coalesced(
-            tensors, lambda flat: dist.all_reduce(flat, group=self.group, async_op=True), what, step
+            tensors, lambda flat: _C.all_reduce_sum_(self.group, flat, self._timeout_s), what, step
         )
 
     @torch.no_grad()
     def _coalesced(
         self,
         tensors: Sequence[torch.Tensor],
-        start: Callable[[torch.Tensor], dist.Work],
+        collective: Callable[[torch.Tensor], None],
         what: str,
         step: int | None,
     ) -> None:
-        """Runs the collective ``start`` on ``tensors`` flattened together, one call
-        per dtype and device, and copies the results back."""
+        """Runs ``collective`` on ``tensors`` flattened together, one call per dtype
+        and device, and copies the results back."""
         for members in _by_kind(tensors).values():
             flat = torch.cat([t.detach().reshape(-1) for t in members]).to(self.device)
-            self._wait(start(flat), what, step)
+            self._run(lambda flat=flat: collective(flat), what, step)
             _scatter_back(flat, members)
 
     def gather_rows(self, local: torch.Tensor, counts: Sequence[int], step: int) -> torch.Tensor:
@@ -188,8 +194,11 @@ class Collectives:
         padded = local.new_zeros((rows, *local.shape[1:]), device=self.device)
         padded[: local.shape[0]] = local.to(self.device)
         gathered = [torch.empty_like(padded) for _ in range(self.size)]
-        work = dist.all_gather(gathered, padded, group=self.group, async_op=True)
-        self._wait(work, "all-gather of inference outputs", step)
+        self._run(
+            lambda: _C.all_gather_into(self.group, padded, gathered, self._timeout_s),
+            "all-gather of inference outputs",
+            step,
+        )
         parts = [part[:n] for part, n in zip(gathered, counts, strict=True)]
         return torch.cat(parts).to(local.device)
 

@@ -559,8 +559,9 @@ class Executor:
             )
             self._buffers.end_vn(vn)
         clock.mark()
-        self._grads.wait_stats()
-        loss_total, items_total, sum_kind_workers, bad_items = self._global_stats(stats)
+        loss_total, items_total, sum_kind_workers, bad_items = self._global_stats(
+            self._grads.wait_stats()
+        )
         if sum_kind_workers not in (0, self.world_size):
             raise TypeError(
                 f"loss_fn returned (loss_sum, num_items) losses on {sum_kind_workers:g} of "

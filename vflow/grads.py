@@ -134,11 +134,13 @@ class GradAccumulator:
         self.reducer.end_vn()
 
     def start_stats(self, stats: torch.Tensor) -> None:
-        """All-reduces (SUM) ``stats`` ahead of the step's gradient buckets."""
+        """Starts an all-reduce (SUM) of a copy of ``stats`` ahead of the step's
+        gradient buckets."""
         self.reducer.start_stats(stats)
 
-    def wait_stats(self) -> None:
-        self.reducer.wait_stats()
+    def wait_stats(self) -> torch.Tensor:
+        """The sums over the workers of the ``stats`` given to ``start_stats``."""
+        return self.reducer.wait_stats()
 
     def finish(self, factor: float, check_nonfinite: bool) -> torch.Tensor | None:
         """Waits for the all-reduces and scales every buffer by ``factor`` in one pass.

@@ -1,0 +1,107 @@
+#include "collectives.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+
+#include <algorithm>
+#include <chrono>
+#include <stdexcept>
+
+namespace vflow {
+
+std::string error_text(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
+    return c10_error->what_without_backtrace();
+  }
+  return e.what();
+}
+
+namespace {
+
+std::chrono::milliseconds to_timeout(double seconds) {
+  TORCH_CHECK(seconds > 0, "timeout_seconds must be > 0, got ", seconds);
+  return std::chrono::milliseconds(
+      std::max<int64_t>(1, static_cast<int64_t>(seconds * 1000.0)));
+}
+
+void check_group(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  TORCH_CHECK(group, "group must be a process group, got None");
+}
+
+// A copy that no Python object refers to (Note [Collectives on tensors Python cannot
+// see]); contiguous, as the backends expect.
+at::Tensor private_copy(const at::Tensor& tensor) {
+  return tensor.clone(at::MemoryFormat::Contiguous);
+}
+
+// Starts a collective with `start` and waits for it; backend errors, raised when
+// starting or when waiting, become std::runtime_error without the C++ backtrace.
+template <typename Start>
+void run(Start&& start, std::chrono::milliseconds timeout) {
+  try {
+    c10::intrusive_ptr<c10d::Work> work = start();
+    work->wait(timeout);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(error_text(e));
+  }
+}
+
+}  // namespace
+
+void all_reduce_sum_(const c10::intrusive_ptr<c10d::ProcessGroup>& group, at::Tensor& tensor,
+                     double timeout_seconds) {
+  check_group(group);
+  const auto timeout = to_timeout(timeout_seconds);
+  std::vector<at::Tensor> mine{private_copy(tensor)};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  options.timeout = timeout;
+  run([&] { return group->allreduce(mine, options); }, timeout);
+  tensor.copy_(mine[0]);
+}
+
+void broadcast_(const c10::intrusive_ptr<c10d::ProcessGroup>& group, at::Tensor& tensor,
+                int64_t root, double timeout_seconds) {
+  check_group(group);
+  TORCH_CHECK(root >= 0 && root < group->getSize(), "root must be a rank of the group (0 to ",
+              group->getSize() - 1, "), got ", root);
+  const auto timeout = to_timeout(timeout_seconds);
+  std::vector<at::Tensor> mine{private_copy(tensor)};
+  c10d::BroadcastOptions options;
+  options.rootRank = root;
+  options.rootTensor = 0;
+  options.timeout = timeout;
+  run([&] { return group->broadcast(mine, options); }, timeout);
+  tensor.copy_(mine[0]);
+}
+
+void all_gather_into(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                     const at::Tensor& input, const std::vector<at::Tensor>& outputs,
+                     double timeout_seconds) {
+  check_group(group);
+  TORCH_CHECK(static_cast<int64_t>(outputs.size()) == group->getSize(),
+              "outputs must hold one tensor per rank (", group->getSize(), "), got ",
+              outputs.size());
+  for (const auto r : c10::irange(outputs.size())) {
+    TORCH_CHECK(outputs[r].sizes() == input.sizes() && outputs[r].dtype() == input.dtype() &&
+                    outputs[r].device() == input.device(),
+                "outputs[", r, "] must match input (", input.sizes(), ", ", input.dtype(), ", ",
+                input.device(), "), got ", outputs[r].sizes(), ", ", outputs[r].dtype(), ", ",
+                outputs[r].device());
+  }
+  const auto timeout = to_timeout(timeout_seconds);
+  std::vector<at::Tensor> mine{private_copy(input)};
+  std::vector<std::vector<at::Tensor>> gathered(1);
+  gathered[0].reserve(outputs.size());
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    gathered[0].push_back(at::empty_like(mine[0]));
+  }
+  c10d::AllgatherOptions options;
+  options.timeout = timeout;
+  run([&] { return group->allgather(gathered, mine, options); }, timeout);
+  for (const auto r : c10::irange(outputs.size())) {
+    outputs[r].copy_(gathered[0][r]);
+  }
+}
+
+}  // namespace vflow
