@@ -9,7 +9,6 @@
 #include "ops.h"
 #include "reducer.h"
 
-#include <chrono>
 #include <optional>
 
 #ifndef VFLOW_TORCH_VERSION
@@ -98,10 +97,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> process_group,
                        double timeout_seconds, std::string description, bool exact,
                        bool ordered) {
-             TORCH_CHECK(timeout_seconds > 0, "timeout_seconds must be > 0, got ",
-                         timeout_seconds);
-             const auto timeout = std::chrono::milliseconds(
-                 std::max<int64_t>(1, static_cast<int64_t>(timeout_seconds * 1000.0)));
+             const auto timeout = vflow::timeout_from_seconds(timeout_seconds);
              return std::make_unique<Reducer>(
                  groups, dtypes, first_bucket_bytes, bucket_cap_bytes,
                  process_group.value_or(c10::intrusive_ptr<c10d::ProcessGroup>()), timeout,

@@ -4,7 +4,6 @@
 #include <c10/util/irange.h>
 
 #include <algorithm>
-#include <chrono>
 #include <stdexcept>
 
 namespace vflow {
@@ -16,13 +15,13 @@ std::string error_text(const std::exception& e) {
   return e.what();
 }
 
-namespace {
-
-std::chrono::milliseconds to_timeout(double seconds) {
-  TORCH_CHECK(seconds > 0, "timeout_seconds must be > 0, got ", seconds);
+std::chrono::milliseconds timeout_from_seconds(double timeout_seconds) {
+  TORCH_CHECK(timeout_seconds > 0, "timeout_seconds must be > 0, got ", timeout_seconds);
   return std::chrono::milliseconds(
-      std::max<int64_t>(1, static_cast<int64_t>(seconds * 1000.0)));
+      std::max<int64_t>(1, static_cast<int64_t>(timeout_seconds * 1000.0)));
 }
+
+namespace {
 
 void check_group(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
   TORCH_CHECK(group, "group must be a process group, got None");
@@ -51,7 +50,7 @@ void run(Start&& start, std::chrono::milliseconds timeout) {
 void all_reduce_sum_(const c10::intrusive_ptr<c10d::ProcessGroup>& group, at::Tensor& tensor,
                      double timeout_seconds) {
   check_group(group);
-  const auto timeout = to_timeout(timeout_seconds);
+  const auto timeout = timeout_from_seconds(timeout_seconds);
   std::vector<at::Tensor> mine{private_copy(tensor)};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
@@ -65,7 +64,7 @@ void broadcast_(const c10::intrusive_ptr<c10d::ProcessGroup>& group, at::Tensor&
   check_group(group);
   TORCH_CHECK(root >= 0 && root < group->getSize(), "root must be a rank of the group (0 to ",
               group->getSize() - 1, "), got ", root);
-  const auto timeout = to_timeout(timeout_seconds);
+  const auto timeout = timeout_from_seconds(timeout_seconds);
   std::vector<at::Tensor> mine{private_copy(tensor)};
   c10d::BroadcastOptions options;
   options.rootRank = root;
@@ -89,7 +88,7 @@ void all_gather_into(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                 input.device(), "), got ", outputs[r].sizes(), ", ", outputs[r].dtype(), ", ",
                 outputs[r].device());
   }
-  const auto timeout = to_timeout(timeout_seconds);
+  const auto timeout = timeout_from_seconds(timeout_seconds);
   std::vector<at::Tensor> mine{private_copy(input)};
   std::vector<std::vector<at::Tensor>> gathered(1);
   gathered[0].reserve(outputs.size());

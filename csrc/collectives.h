@@ -20,6 +20,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <chrono>
 #include <cstdint>
 #include <exception>
 #include <string>
@@ -29,6 +30,10 @@ namespace vflow {
 
 // The message of `e` without a C++ backtrace.
 std::string error_text(const std::exception& e);
+
+// A `timeout_seconds` argument from Python as a wait bound of at least 1 ms; it must
+// be > 0.
+std::chrono::milliseconds timeout_from_seconds(double timeout_seconds);
 
 // Every rank's `tensor` becomes the elementwise sum over `group`. Waits at most
 // `timeout_seconds`; a failed or timed-out collective throws std::runtime_error with
