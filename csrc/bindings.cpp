@@ -65,12 +65,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   // Note [Collectives on tensors Python cannot see]. The GIL is released while they
   // wait, as for the Reducer below.
-  m.def("all_reduce_sum_", &vflow::all_reduce_sum_, py::arg("group"), py::arg("tensor"),
-        py::arg("timeout_seconds"), py::call_guard<py::gil_scoped_release>(),
-        "In place: tensor becomes its elementwise sum over the group.");
-  m.def("broadcast_", &vflow::broadcast_, py::arg("group"), py::arg("tensor"), py::arg("root"),
-        py::arg("timeout_seconds"), py::call_guard<py::gil_scoped_release>(),
-        "In place: tensor becomes group rank root's tensor.");
+  m.def("all_reduce_sum_", &vflow::all_reduce_sum_, py::arg("group"), py::arg("tensors"),
+        py::arg("device"), py::arg("timeout_seconds"),
+        py::call_guard<py::gil_scoped_release>(),
+        "In place: each tensor becomes its elementwise sum over the group.");
+  m.def("broadcast_", &vflow::broadcast_, py::arg("group"), py::arg("tensors"),
+        py::arg("device"), py::arg("root"), py::arg("timeout_seconds"),
+        py::call_guard<py::gil_scoped_release>(),
+        "In place: the tensors become group rank root's.");
   m.def("all_gather_into", &vflow::all_gather_into, py::arg("group"), py::arg("input"),
         py::arg("outputs"), py::arg("timeout_seconds"),
         py::call_guard<py::gil_scoped_release>(),

@@ -4,6 +4,7 @@
 #include <c10/util/irange.h>
 
 #include <algorithm>
+#include <optional>
 #include <stdexcept>
 
 namespace vflow {
@@ -33,6 +34,34 @@ at::Tensor private_copy(const at::Tensor& tensor) {
   return tensor.clone(at::MemoryFormat::Contiguous);
 }
 
+// `tensors` (one dtype and device) flattened into one new tensor on `device`, which is
+// then what the collective runs on: the coalescing copy is also the private copy.
+at::Tensor private_flat(const std::vector<at::Tensor>& tensors,
+                        const std::optional<at::Device>& device) {
+  TORCH_CHECK(!tensors.empty(), "tensors must hold at least one tensor");
+  std::vector<at::Tensor> flat_views;
+  flat_views.reserve(tensors.size());
+  for (const auto i : c10::irange(tensors.size())) {
+    TORCH_CHECK(tensors[i].dtype() == tensors[0].dtype() &&
+                    tensors[i].device() == tensors[0].device(),
+                "tensors must share one dtype and device: tensors[0] is ", tensors[0].dtype(),
+                " on ", tensors[0].device(), ", tensors[", i, "] is ", tensors[i].dtype(), " on ",
+                tensors[i].device());
+    flat_views.push_back(tensors[i].reshape({-1}));
+  }
+  at::Tensor flat = at::cat(flat_views);
+  return device ? flat.to(*device) : flat;
+}
+
+// Copies consecutive pieces of `flat` back into `tensors`.
+void scatter_back(const at::Tensor& flat, const std::vector<at::Tensor>& tensors) {
+  int64_t offset = 0;
+  for (const auto& t : tensors) {
+    t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+    offset += t.numel();
+  }
+}
+
 // Starts a collective with `start` and waits for it; backend errors, raised when
 // starting or when waiting, become std::runtime_error without the C++ backtrace.
 template <typename Start>
@@ -47,31 +76,35 @@ void run(Start&& start, std::chrono::milliseconds timeout) {
 
 }  // namespace
 
-void all_reduce_sum_(const c10::intrusive_ptr<c10d::ProcessGroup>& group, at::Tensor& tensor,
-                     double timeout_seconds) {
+void all_reduce_sum_(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                     const std::vector<at::Tensor>& tensors,
+                     const std::optional<at::Device>& device, double timeout_seconds) {
   check_group(group);
   const auto timeout = timeout_from_seconds(timeout_seconds);
-  std::vector<at::Tensor> mine{private_copy(tensor)};
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> mine{private_flat(tensors, device)};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   options.timeout = timeout;
   run([&] { return group->allreduce(mine, options); }, timeout);
-  tensor.copy_(mine[0]);
+  scatter_back(mine[0], tensors);
 }
 
-void broadcast_(const c10::intrusive_ptr<c10d::ProcessGroup>& group, at::Tensor& tensor,
+void broadcast_(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                const std::vector<at::Tensor>& tensors, const std::optional<at::Device>& device,
                 int64_t root, double timeout_seconds) {
   check_group(group);
   TORCH_CHECK(root >= 0 && root < group->getSize(), "root must be a rank of the group (0 to ",
               group->getSize() - 1, "), got ", root);
   const auto timeout = timeout_from_seconds(timeout_seconds);
-  std::vector<at::Tensor> mine{private_copy(tensor)};
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> mine{private_flat(tensors, device)};
   c10d::BroadcastOptions options;
   options.rootRank = root;
   options.rootTensor = 0;
   options.timeout = timeout;
   run([&] { return group->broadcast(mine, options); }, timeout);
-  tensor.copy_(mine[0]);
+  scatter_back(mine[0], tensors);
 }
 
 void all_gather_into(const c10::intrusive_ptr<c10d::ProcessGroup>& group,

@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cstdint>
 #include <exception>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,15 +36,19 @@ std::string error_text(const std::exception& e);
 // be > 0.
 std::chrono::milliseconds timeout_from_seconds(double timeout_seconds);
 
-// Every rank's `tensor` becomes the elementwise sum over `group`. Waits at most
-// `timeout_seconds`; a failed or timed-out collective throws std::runtime_error with
-// the backend's message and leaves `tensor` unchanged.
-void all_reduce_sum_(const c10::intrusive_ptr<c10d::ProcessGroup>& group, at::Tensor& tensor,
-                     double timeout_seconds);
+// Every rank's `tensors` (one dtype and device, the same shapes on every rank) become
+// their elementwise sums over `group`. They are reduced as one flat copy on `device`
+// (default: theirs), the backend's device. Waits at most `timeout_seconds`; a failed
+// or timed-out collective throws std::runtime_error with the backend's message and
+// leaves `tensors` unchanged.
+void all_reduce_sum_(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                     const std::vector<at::Tensor>& tensors,
+                     const std::optional<at::Device>& device, double timeout_seconds);
 
-// Every rank's `tensor` becomes the values of group rank `root`'s (same shape, dtype
-// and device on every rank). Waits and fails as all_reduce_sum_.
-void broadcast_(const c10::intrusive_ptr<c10d::ProcessGroup>& group, at::Tensor& tensor,
+// Every rank's `tensors` become group rank `root`'s. Copies, waits and fails as
+// all_reduce_sum_.
+void broadcast_(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                const std::vector<at::Tensor>& tensors, const std::optional<at::Device>& device,
                 int64_t root, double timeout_seconds);
 
 // outputs[r] becomes group rank r's `input`; `outputs` has one tensor per rank, each

@@ -34,12 +34,17 @@ def _three_collectives(rank: int, world_size: int) -> dict[str, list[torch.Tenso
             base = torch.zeros(n, 2, dtype=dtype)
             view = base[:, 0]
             view.copy_(_rank_values(rank, n, dtype))
-            _C.all_reduce_sum_(group, view, _TIMEOUT_S)
+            # Coalesced with a second tensor of another shape; each gets its own sums.
+            other = torch.full((2, 3), float(rank + 1)).to(dtype)
+            _C.all_reduce_sum_(group, [view, other], None, _TIMEOUT_S)
             assert torch.equal(base[:, 1], torch.zeros(n, dtype=dtype))
+            assert torch.equal(
+                other, torch.full((2, 3), world_size * (world_size + 1) / 2).to(dtype)
+            )
             out["sum"].append(view.clone())
 
             t = _rank_values(rank, n, dtype)
-            _C.broadcast_(group, t, world_size - 1, _TIMEOUT_S)
+            _C.broadcast_(group, [t], torch.device("cpu"), world_size - 1, _TIMEOUT_S)
             out["broadcast"].append(t)
 
             mine = _rank_values(rank, n, dtype)
@@ -77,9 +82,11 @@ def _bad_input(rank: int, world_size: int) -> list[str]:
     before = t.clone()
     errors = []
     calls = [
-        lambda: _C.all_reduce_sum_(group, t, 0.0),
-        lambda: _C.broadcast_(group, t, world_size, _TIMEOUT_S),
-        lambda: _C.broadcast_(group, t, -1, _TIMEOUT_S),
+        lambda: _C.all_reduce_sum_(group, [t], None, 0.0),
+        lambda: _C.broadcast_(group, [t], None, world_size, _TIMEOUT_S),
+        lambda: _C.broadcast_(group, [t], None, -1, _TIMEOUT_S),
+        lambda: _C.all_reduce_sum_(group, [], None, _TIMEOUT_S),
+        lambda: _C.all_reduce_sum_(group, [t, torch.ones(2, dtype=torch.int64)], None, _TIMEOUT_S),
         lambda: _C.all_gather_into(group, t, [t.clone()], _TIMEOUT_S),
         lambda: _C.all_gather_into(group, t, [torch.zeros(3), torch.zeros(4)], _TIMEOUT_S),
         lambda: _C.all_gather_into(group, t, [torch.zeros(4, dtype=torch.int64)] * 2, _TIMEOUT_S),
@@ -89,9 +96,11 @@ def _bad_input(rank: int, world_size: int) -> list[str]:
             call()
         errors.append(str(info.value).splitlines()[0])
         assert torch.equal(t, before)
-    # Every rank raised before starting anything, so the group still works.
-    _C.all_reduce_sum_(group, t, _TIMEOUT_S)
-    assert torch.equal(t, before * world_size)
+    # Every rank raised before starting anything, so the group still works, on a
+    # parameter too (updated without recording autograd history).
+    param = torch.nn.Parameter(t.clone())
+    _C.all_reduce_sum_(group, [param], None, _TIMEOUT_S)
+    assert torch.equal(param.detach(), before * world_size) and param.grad_fn is None
     return errors
 
 
@@ -100,9 +109,11 @@ def test_bad_input_raises_naming_the_argument_and_changes_nothing() -> None:
     assert "timeout_seconds must be > 0" in errors[0]
     assert "root must be a rank of the group (0 to 1), got 2" in errors[1]
     assert "got -1" in errors[2]
-    assert "outputs must hold one tensor per rank (2), got 1" in errors[3]
-    assert "outputs[0] must match input" in errors[4]
-    assert "outputs[0] must match input" in errors[5]
+    assert "tensors must hold at least one tensor" in errors[3]
+    assert "tensors must share one dtype and device" in errors[4] and "tensors[1]" in errors[4]
+    assert "outputs must hold one tensor per rank (2), got 1" in errors[5]
+    assert "outputs[0] must match input" in errors[6]
+    assert "outputs[0] must match input" in errors[7]
 
 
 def _rank_1_leaves(rank: int, world_size: int) -> str:
@@ -126,8 +137,8 @@ def _use_counts(rank: int, world_size: int) -> dict[str, list[int]]:
     group = dist.group.WORLD
     counts: dict[str, list[int]] = {}
     t = torch.ones(5)
-    _C.all_reduce_sum_(group, t, _TIMEOUT_S)
-    _C.broadcast_(group, t, 0, _TIMEOUT_S)
+    _C.all_reduce_sum_(group, [t], None, _TIMEOUT_S)
+    _C.broadcast_(group, [t], None, 0, _TIMEOUT_S)
     counts["all_reduce_sum_, broadcast_"] = [t._use_count()]
     outputs = [torch.empty(5) for _ in range(world_size)]
     _C.all_gather_into(group, t, outputs, _TIMEOUT_S)

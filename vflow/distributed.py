@@ -161,7 +161,7 @@ class Collectives:
         """Copies rank 0's values into ``tensors`` on every rank."""
         self._coalesced(
             tensors,
-            lambda flat: _C.broadcast_(self.group, flat, 0, self._timeout_s),
+            lambda members: _C.broadcast_(self.group, members, self.device, 0, self._timeout_s),
             what,
             step,
         )
@@ -169,23 +169,23 @@ class Collectives:
     def sum(self, tensors: Sequence[torch.Tensor], what: str, step: int | None) -> None:
         """In place: each tensor becomes its sum over the ranks."""
         self._coalesced(
-            tensors, lambda flat: _C.all_reduce_sum_(self.group, flat, self._timeout_s), what, step
+            tensors,
+            lambda members: _C.all_reduce_sum_(self.group, members, self.device, self._timeout_s),
+            what,
+            step,
         )
 
-    @torch.no_grad()
     def _coalesced(
         self,
         tensors: Sequence[torch.Tensor],
-        collective: Callable[[torch.Tensor], None],
+        collective: Callable[[list[torch.Tensor]], None],
         what: str,
         step: int | None,
     ) -> None:
-        """Runs ``collective`` on ``tensors`` flattened together, one call per dtype
-        and device, and copies the results back."""
+        """Runs ``collective`` once per dtype and device of ``tensors``; the ``_C``
+        collectives reduce each such group as one flat copy."""
         for members in _by_kind(tensors).values():
-            flat = torch.cat([t.detach().reshape(-1) for t in members]).to(self.device)
-            self._run(lambda flat=flat: collective(flat), what, step)
-            _scatter_back(flat, members)
+            self._run(lambda members=members: collective(members), what, step)
 
     def gather_rows(self, local: torch.Tensor, counts: Sequence[int], step: int) -> torch.Tensor:
         """Concatenates every rank's ``local`` rows in rank order; rank r has
@@ -213,11 +213,3 @@ def _by_kind(tensors: Sequence[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]
     for t in tensors:
         kinds.setdefault((t.dtype, t.device), []).append(t)
     return kinds
-
-
-def _scatter_back(flat: torch.Tensor, members: Sequence[torch.Tensor]) -> None:
-    offset = 0
-    for t in members:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view(t.shape))
-        offset += n
