@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)
 BUILD_STAMP := $(VENV)/.built
-EXT_SOURCES := setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.cpp csrc/cuda/*.cu)
+EXT_SOURCES := setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/*/*.h csrc/*/*.cpp csrc/cuda/*.cu)
 
 .PHONY: install demo test bench lint format clean
 

@@ -46,7 +46,7 @@ from torch import nn
 
 import vflow
 from vflow.batching import slice_batch, split_sizes
-from vflow.timing import PhaseClock
+from vflow.profile import StepClock
 
 TARGET_RATIO = 1.05  # vflow step time / hand loop step time, printed (not asserted)
 
@@ -115,8 +115,8 @@ class HandLoop:
 
     def step(self, batch: Batch) -> tuple[float, dict[str, float]]:
         total = batch[0].shape[0]
-        clock = PhaseClock(self.device)
-        clock.mark()
+        clock = StepClock(self.device)
+        start = clock.mark()
         loss_sum = torch.zeros((), device=self.device)
         start = 0
         for size in split_sizes(total, self.virtual_nodes):
@@ -125,14 +125,17 @@ class HandLoop:
             loss = cross_entropy(self.model, vn) * (size / total)
             loss.backward()
             loss_sum += loss.detach()
-        clock.mark()
+        backward_end = clock.mark()
         self.optimizer.step()
         self.optimizer.zero_grad()
         # vflow's step returns the loss as a float too; reading it is part of the step.
         value = loss_sum.item()
-        clock.mark()
-        fb, opt = clock.intervals()
-        return value, {"forward_backward": fb, "optimizer": opt}
+        end = clock.mark()
+        clock.finish()
+        return value, {
+            "forward_backward": clock.seconds(start, backward_end),
+            "optimizer": clock.seconds(backward_end, end),
+        }
 
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:

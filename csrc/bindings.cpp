@@ -6,10 +6,12 @@
 #include "collectives.h"
 #include "exact.h"
 #include "grad_buffer.h"
+#include "grad_store.h"
 #include "ops.h"
 #include "reducer.h"
 
 #include <optional>
+#include <tuple>
 
 #ifndef VFLOW_TORCH_VERSION
 #define VFLOW_TORCH_VERSION "unknown"
@@ -87,52 +89,93 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("offset", &Reducer::BucketRange::offset)
       .def_readonly("numel", &Reducer::BucketRange::numel);
 
-  // Every call that may start or wait for a collective releases the GIL. Holding it
-  // while enqueueing deadlocks: a backend worker thread that drops the last reference
-  // to a finished collective's tensor must take the GIL to free that tensor's Python
-  // object, and it does so while holding the lock that enqueueing needs. The hooks
-  // call add_grad from Python, so the release happens here rather than in the hook.
-  py::class_<Reducer>(m, "Reducer")
+  // Note [Gradient store and reducer] in csrc/grad_store.h.
+  py::class_<vflow::GradSink, std::shared_ptr<vflow::GradSink>>(m, "GradSink");
+  py::class_<vflow::GradStore, std::shared_ptr<vflow::GradStore>>(m, "GradStore")
       .def(py::init([](const std::vector<std::vector<at::Tensor>>& groups,
-                       const std::vector<at::ScalarType>& dtypes, int64_t first_bucket_bytes,
-                       int64_t bucket_cap_bytes,
-                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> process_group,
-                       double timeout_seconds, std::string description, bool exact,
-                       bool ordered) {
-             const auto timeout = vflow::timeout_from_seconds(timeout_seconds);
-             return std::make_unique<Reducer>(
-                 groups, dtypes, first_bucket_bytes, bucket_cap_bytes,
-                 process_group.value_or(c10::intrusive_ptr<c10d::ProcessGroup>()), timeout,
-                 std::move(description), exact, ordered);
+                       const std::vector<at::ScalarType>& dtypes) {
+             auto store = std::make_shared<vflow::GradStore>(groups, dtypes);
+             store->install_hooks();
+             return store;
            }),
-           py::arg("groups"), py::arg("dtypes"), py::arg("first_bucket_bytes"),
-           py::arg("bucket_cap_bytes"), py::arg("process_group") = py::none(),
-           py::arg("timeout_seconds") = 600.0, py::arg("description") = "the process group",
-           py::arg("exact") = false, py::arg("ordered") = false)
+           py::arg("groups"), py::arg("dtypes"))
+      .def_property_readonly("buffers", &vflow::GradStore::buffers)
+      .def_property_readonly("num_params", &vflow::GradStore::num_params)
+      .def("set_sink", &vflow::GradStore::set_sink, py::arg("sink"))
+      .def("set_capturing", &vflow::GradStore::set_capturing, py::arg("on"))
+      .def_property_readonly("capturing", &vflow::GradStore::capturing)
+      .def("detach_grads", &vflow::GradStore::detach_grads)
+      .def("publish", &vflow::GradStore::publish)
+      .def("remove_hooks", &vflow::GradStore::remove_hooks);
+
+  // Note [Reduction strategies] in csrc/reduction/reduction.h.
+  py::class_<vflow::Reduction, std::shared_ptr<vflow::Reduction>>(m, "Reduction")
+      .def_property_readonly("kind", &vflow::Reduction::kind);
+  py::class_<vflow::AllReduceSum, vflow::Reduction, std::shared_ptr<vflow::AllReduceSum>>(
+      m, "AllReduceSum")
+      .def(py::init<>());
+  py::class_<vflow::OrderedSum, vflow::Reduction, std::shared_ptr<vflow::OrderedSum>>(
+      m, "OrderedSum")
+      .def(py::init<>())
+      .def("set_tree", &vflow::OrderedSum::set_tree, py::arg("cover_counts"),
+           py::arg("combine_merges"));
+  py::class_<vflow::ExactSum, vflow::Reduction, std::shared_ptr<vflow::ExactSum>>(m, "ExactSum")
+      .def(py::init<>());
+
+  // Calls that may start or wait for a collective release the GIL: a backend thread
+  // that drops a finished collective's last tensor reference may need it. The hooks
+  // feeding add_grad are C++ and run on autograd's threads without the GIL.
+  using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
+  py::class_<Reducer, vflow::GradSink, std::shared_ptr<Reducer>>(m, "Reducer")
+      .def(py::init([](const std::vector<std::shared_ptr<vflow::GradBuffer>>& buffers,
+                       const std::vector<std::tuple<int64_t, int64_t, int64_t>>& buckets,
+                       std::shared_ptr<vflow::Reduction> reduction,
+                       std::optional<ProcessGroupPtr> process_group, double timeout_seconds,
+                       std::string description) {
+             std::vector<Reducer::BucketSpec> specs;
+             specs.reserve(buckets.size());
+             for (const auto& [buffer, first, last] : buckets) {
+               specs.push_back({buffer, first, last});
+             }
+             return std::make_shared<Reducer>(
+                 buffers, specs, std::move(reduction), process_group.value_or(ProcessGroupPtr()),
+                 vflow::timeout_from_seconds(timeout_seconds), std::move(description));
+           }),
+           py::arg("buffers"), py::arg("buckets"), py::arg("reduction"),
+           py::arg("process_group") = py::none(), py::arg("timeout_seconds") = 600.0,
+           py::arg("description") = "the process group")
+      .def(
+          "set_group",
+          [](Reducer& self, std::optional<ProcessGroupPtr> process_group, double timeout_seconds,
+             std::string description) {
+            self.set_group(process_group.value_or(ProcessGroupPtr()),
+                           vflow::timeout_from_seconds(timeout_seconds), std::move(description));
+          },
+          py::arg("process_group"), py::arg("timeout_seconds"), py::arg("description"))
       .def_property_readonly("buffers", &Reducer::buffers)
+      .def_property_readonly("reduction", &Reducer::reduction)
       .def_property_readonly("num_buckets", &Reducer::num_buckets)
       .def_property_readonly("world_size", &Reducer::world_size)
-      .def_property_readonly("exact", &Reducer::exact)
-      .def_property_readonly("ordered", &Reducer::ordered)
+      .def_property_readonly("rank", &Reducer::rank)
+      .def_property_readonly("in_step", &Reducer::in_step)
       .def_property_readonly("bytes_per_step", &Reducer::bytes_per_step)
       .def("bucket_of", &Reducer::bucket_of, py::arg("buffer"), py::arg("slot"))
       .def("bucket_ranges", &Reducer::bucket_ranges)
       .def("begin_step", &Reducer::begin_step, py::arg("step"))
-      .def("set_tree", &Reducer::set_tree, py::arg("cover_counts"), py::arg("combine_merges"))
       .def("begin_vn", &Reducer::begin_vn, py::arg("weight"), py::arg("last"),
            py::arg("level") = 0, py::arg("merges") = 0)
       .def("add_grad", &Reducer::add_grad, py::arg("bucket"), py::arg("slot"), py::arg("grad"),
            py::call_guard<py::gil_scoped_release>())
-      .def("end_vn", &Reducer::end_vn,
-           py::call_guard<py::gil_scoped_release>())
-      .def("abort_vn", &Reducer::abort_vn,
-           py::call_guard<py::gil_scoped_release>())
+      .def("end_vn", &Reducer::end_vn, py::call_guard<py::gil_scoped_release>())
+      .def("abort_vn", &Reducer::abort_vn, py::call_guard<py::gil_scoped_release>())
       .def("start_stats", &Reducer::start_stats, py::arg("stats"),
            py::call_guard<py::gil_scoped_release>())
       .def("wait_stats", &Reducer::wait_stats, py::call_guard<py::gil_scoped_release>())
       .def("finalize", &Reducer::finalize, py::arg("factor"), py::arg("found_nonfinite"),
            py::call_guard<py::gil_scoped_release>())
       .def("discard", &Reducer::discard, py::call_guard<py::gil_scoped_release>())
+      .def("reduce_as_is", &Reducer::reduce_as_is, py::arg("step"),
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("last_wait_seconds", &Reducer::last_wait_seconds)
       .def_property_readonly("early_launches", &Reducer::early_launches);
 }

@@ -1,4 +1,4 @@
-"""vflow._C's collectives (csrc/collectives.cpp) and the Executor's Collectives that
+"""vflow._C's collectives (csrc/collectives.cpp) and the Executor's World collectives that
 use them: results against a pure-PyTorch reference, bad input, and the reason they
 exist: no backend thread is left holding a tensor that Python can see (Note
 [Collectives on tensors Python cannot see])."""
@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_ranks
+from tests.reducers import make_reducer
 from vflow._extension import _C
-from vflow.distributed import CollectiveError, Collectives
+from vflow.distributed import CollectiveError, World
 
 _SIZES = (0, 1, 97, 1025)
 _TIMEOUT_S = 30.0
@@ -117,7 +118,7 @@ def test_bad_input_raises_naming_the_argument_and_changes_nothing() -> None:
 
 
 def _rank_1_leaves(rank: int, world_size: int) -> str:
-    collectives = Collectives(dist.group.WORLD, timedelta(seconds=3))
+    collectives = World(dist.group.WORLD, timedelta(seconds=3))
     if rank == 1:
         return "left"
     with pytest.raises(CollectiveError) as info:
@@ -143,18 +144,18 @@ def _use_counts(rank: int, world_size: int) -> dict[str, list[int]]:
     outputs = [torch.empty(5) for _ in range(world_size)]
     _C.all_gather_into(group, t, outputs, _TIMEOUT_S)
     counts["all_gather_into"] = [t._use_count(), *(o._use_count() for o in outputs)]
-    collectives = Collectives(group, timedelta(seconds=_TIMEOUT_S))
+    collectives = World(group, timedelta(seconds=_TIMEOUT_S))
     params = [torch.ones(3), torch.ones(2, 2, dtype=torch.float64)]
-    collectives.broadcast_from_first(params, "broadcast", None)
+    collectives.broadcast_from(0, params, "broadcast", None)
     collectives.sum(params, "sum", 0)
     rows = torch.ones(4, 2)
     gathered = collectives.gather_rows(rows, [4] * world_size, 0)
-    counts["Collectives"] = [p._use_count() for p in (*params, rows, gathered)]
+    counts["World"] = [p._use_count() for p in (*params, rows, gathered)]
 
     # The step's statistics: the Reducer reduces a copy, so the caller's tensor is
     # free as soon as start_stats returns, while the all-reduce may still be running.
     param = torch.nn.Parameter(torch.ones(4))
-    reducer = _C.Reducer([[param]], [torch.float32], 1 << 20, 1 << 20, group)
+    reducer = make_reducer([[param]], [torch.float32], 1 << 20, 1 << 20, group)
     reducer.begin_step(1)
     reducer.begin_vn(1.0, True)
     stats = torch.full((3,), float(rank + 1), dtype=torch.float64)

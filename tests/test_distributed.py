@@ -178,7 +178,7 @@ def _train(scenario: Scenario, plan: vflow.Plan, process_group=None) -> dict:
         if scenario.infer:
             model.eval()
             outputs = ex.infer(scenario.batches[0][0])
-        reducer = ex._grads.reducer
+        reducer = ex.reducer
         overlap = (reducer.early_launches, reducer.num_buckets)
     return {"state": _state(model), "losses": losses, "outputs": outputs, "overlap": overlap}
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import devices, requires_cuda
+from tests.reducers import make_reducer
 from vflow import _C
 
 SIZES = [0, 1, 97, 1025]
@@ -203,8 +204,10 @@ def test_kernels_reject_bad_arguments() -> None:
 @pytest.mark.parametrize("device", devices())
 def test_reducer_in_exact_mode_matches_the_kernels(device: str) -> None:
     params = [torch.zeros(5, 3, device=device), torch.zeros(7, device=device)]
-    reducer = _C.Reducer([params], [torch.float32], 1 << 20, 1 << 20, exact=True)
-    assert reducer.exact and reducer.bytes_per_step == 0  # one process: nothing on the wire
+    reducer = make_reducer([params], [torch.float32], 1 << 20, 1 << 20, kind="exact")
+    assert (
+        reducer.reduction.kind == "exact" and reducer.bytes_per_step == 0
+    )  # one process: nothing on the wire
     generator = torch.Generator().manual_seed(3)
     vns = [[wide_range(15, generator).view(5, 3), wide_range(7, generator)] for _ in range(3)]
     reducer.begin_step(0)
@@ -225,7 +228,7 @@ def test_reducer_in_exact_mode_matches_the_kernels(device: str) -> None:
 
 def test_reducer_rejects_exact_float64() -> None:
     with pytest.raises(RuntimeError, match="exact accumulation needs float32"):
-        _C.Reducer([[torch.zeros(3, dtype=torch.float64)]], [torch.float64], 1, 1, exact=True)
+        make_reducer([[torch.zeros(3, dtype=torch.float64)]], [torch.float64], 1, 1, kind="exact")
 
 
 @pytest.mark.parametrize("n", [1, 3, 97, 1025])

@@ -165,7 +165,7 @@ def test_grads_are_views_into_flat_buffer_and_steps_count():
                     result.timings.optimizer,
                 )
             )
-        flat = ex._grads.groups[0].buffer.data
+        flat = ex.grad_buffers[0].data
         lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * 4
         for p in model.parameters():
             assert lo <= p.grad.data_ptr() < hi

@@ -4,7 +4,9 @@ Its collectives are tested with real process groups in tests/test_distributed.py
 import pytest
 import torch
 
+from tests.reducers import make_reducer
 from vflow import _C
+from vflow.grad_store import assign_buckets
 
 MB = 1024 * 1024
 
@@ -16,7 +18,7 @@ def _params(numels):
 def test_buckets_are_contiguous_slot_ranges_with_a_small_first_bucket():
     # Slots of 1 MB each (float32), first bucket capped at 1 MB, later ones at 3 MB.
     numels = [MB // 4] * 7 + [10]
-    reducer = _C.Reducer([_params(numels)], [torch.float32], MB, 3 * MB)
+    reducer = make_reducer([_params(numels)], [torch.float32], MB, 3 * MB)
     ranges = [(r.first_slot, r.last_slot) for r in reducer.bucket_ranges()]
     assert ranges == [(0, 0), (1, 3), (4, 6), (7, 7)]
     buffer = reducer.buffers[0]
@@ -28,7 +30,7 @@ def test_buckets_are_contiguous_slot_ranges_with_a_small_first_bucket():
 
 
 def test_a_slot_larger_than_the_cap_gets_a_bucket_of_its_own():
-    reducer = _C.Reducer([_params([10, MB, 10])], [torch.float32], 100, 200)
+    reducer = make_reducer([_params([10, MB, 10])], [torch.float32], 100, 200)
     assert [(r.first_slot, r.last_slot) for r in reducer.bucket_ranges()] == [
         (0, 0),
         (1, 1),
@@ -38,13 +40,13 @@ def test_a_slot_larger_than_the_cap_gets_a_bucket_of_its_own():
 
 def test_buckets_are_numbered_buffer_by_buffer():
     groups = [_params([4, 4]), [torch.zeros(3, dtype=torch.float64)]]
-    reducer = _C.Reducer(groups, [torch.float32, torch.float64], 1, 1)
+    reducer = make_reducer(groups, [torch.float32, torch.float64], 1, 1)
     assert [(r.buffer, r.first_slot) for r in reducer.bucket_ranges()] == [(0, 0), (0, 1), (1, 0)]
     assert reducer.buffers[1].data.dtype == torch.float64
 
 
 def test_folds_weighted_gradients_and_treats_missing_ones_as_zero():
-    reducer = _C.Reducer([_params([3, 5, 2])], [torch.float32], 16, 16)
+    reducer = make_reducer([_params([3, 5, 2])], [torch.float32], 16, 16)
     g = [torch.randn(3), torch.randn(5), torch.randn(2)]
     reducer.begin_step(0)
     reducer.begin_vn(0.5, False)
@@ -63,7 +65,7 @@ def test_folds_weighted_gradients_and_treats_missing_ones_as_zero():
 
 
 def test_a_bucket_without_any_gradient_in_the_step_is_zero():
-    reducer = _C.Reducer([_params([3, 5])], [torch.float32], 1, 1)
+    reducer = make_reducer([_params([3, 5])], [torch.float32], 1, 1)
     reducer.buffers[0].data.fill_(7.0)  # stale values from an earlier step
     reducer.begin_step(0)
     reducer.begin_vn(1.0, True)
@@ -79,7 +81,7 @@ def test_a_bucket_without_any_gradient_in_the_step_is_zero():
 
 
 def test_call_protocol_and_argument_errors():
-    reducer = _C.Reducer([_params([3])], [torch.float32], 8, 8)
+    reducer = make_reducer([_params([3])], [torch.float32], 8, 8)
     with pytest.raises(RuntimeError, match="add_grad called outside a step"):
         reducer.add_grad(0, 0, torch.ones(3))
     reducer.begin_step(0)
@@ -95,8 +97,8 @@ def test_call_protocol_and_argument_errors():
     reducer.discard()
     reducer.begin_step(1)  # discard ended the step
     with pytest.raises(RuntimeError, match="dtypes has 2 entries but groups has 1"):
-        _C.Reducer([_params([3])], [torch.float32, torch.float32], 8, 8)
-    with pytest.raises(RuntimeError, match="bucket_cap_bytes must be > 0"):
-        _C.Reducer([_params([3])], [torch.float32], 8, 0)
+        _C.GradStore([[torch.zeros(3, requires_grad=True)]], [torch.float32, torch.float32])
+    with pytest.raises(ValueError, match="bucket_cap_bytes must be > 0"):
+        assign_buckets(reducer.buffers, 8, 0)
     with pytest.raises(RuntimeError, match="timeout_seconds must be > 0"):
-        _C.Reducer([_params([3])], [torch.float32], 8, 8, timeout_seconds=0)
+        make_reducer([_params([3])], [torch.float32], 8, 8, timeout_seconds=0)

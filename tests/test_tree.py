@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import devices
+from tests.reducers import make_reducer
 from vflow import _C, tree
 
 
@@ -90,14 +91,14 @@ def test_schedule_rejects_ranges_that_do_not_tile() -> None:
 def _ordered_reducer(device: str) -> _C.Reducer:
     params = [torch.zeros(5, 3, device=device), torch.zeros(7, device=device)]
     # Tiny caps: two buckets, so the per-bucket merges run more than once.
-    return _C.Reducer([params], [torch.float32], 1, 1, ordered=True)
+    return make_reducer([params], [torch.float32], 1, 1, kind="ordered")
 
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("v", [1, 3, 6])
 def test_ordered_reducer_gives_the_tree_sum(device: str, v: int) -> None:
     reducer = _ordered_reducer(device)
-    assert reducer.ordered and not reducer.exact and reducer.num_buckets == 2
+    assert reducer.reduction.kind == "ordered" and reducer.num_buckets == 2
     generator = torch.Generator().manual_seed(v)
     grads = [
         [torch.randn(5, 3, generator=generator), torch.randn(7, generator=generator)]
@@ -105,7 +106,7 @@ def test_ordered_reducer_gives_the_tree_sum(device: str, v: int) -> None:
     ]
     weights = [0.1 * (k + 1) for k in range(v)]
     schedule = tree.schedule([(0, v)], 0, v)
-    reducer.set_tree(list(schedule.cover_counts), list(schedule.combine_merges))
+    reducer.reduction.set_tree(list(schedule.cover_counts), list(schedule.combine_merges))
     for step in range(2):  # the second step reuses the levels: nothing may leak over
         reducer.begin_step(step)
         for k, vn_step in enumerate(schedule.vn_steps):
@@ -127,18 +128,18 @@ def test_ordered_reducer_gives_the_tree_sum(device: str, v: int) -> None:
 
 
 def test_ordered_reducer_checks_its_schedule() -> None:
-    with pytest.raises(RuntimeError, match="choose at most one"):
-        _C.Reducer([[torch.zeros(3)]], [torch.float32], 1, 1, exact=True, ordered=True)
     reducer = _ordered_reducer("cpu")
+    with pytest.raises(RuntimeError, match="already used by another Reducer"):
+        _C.Reducer(reducer.buffers, [(0, 0, 1)], reducer.reduction)
     with pytest.raises(RuntimeError, match="needs set_tree before the first step"):
         reducer.begin_step(0)
     with pytest.raises(RuntimeError, match="one per worker"):
-        reducer.set_tree([1, 1], [0, 1])
+        reducer.reduction.set_tree([1, 1], [0, 1])
     with pytest.raises(RuntimeError, match="2 partial sums in all"):
-        reducer.set_tree([2], [0])
+        reducer.reduction.set_tree([2], [0])
     with pytest.raises(RuntimeError, match="not one root"):
-        reducer.set_tree([2], [0, 0])
-    reducer.set_tree([1], [0])
+        reducer.reduction.set_tree([2], [0, 0])
+    reducer.reduction.set_tree([1], [0])
     reducer.begin_step(0)
     with pytest.raises(RuntimeError, match="level must be the stack depth"):
         reducer.begin_vn(1.0, False, 1, 0)
@@ -149,5 +150,7 @@ def test_ordered_reducer_checks_its_schedule() -> None:
     reducer.begin_vn(1.0, True, 1, 0)  # leaves two partial sums where the tree says one
     with pytest.raises(RuntimeError, match="holds 2 partial sums but set_tree says 1"):
         reducer.end_vn()
-    with pytest.raises(RuntimeError, match="set_tree needs a Reducer made with ordered"):
-        _C.Reducer([[torch.zeros(3)]], [torch.float32], 1, 1).set_tree([1], [0])
+    # Only the ordered strategy has a tree to set.
+    assert not hasattr(
+        make_reducer([[torch.zeros(3)]], [torch.float32], 1, 1).reduction, "set_tree"
+    )

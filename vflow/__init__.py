@@ -7,14 +7,17 @@ gradients in fused flat buffers, then all workers reduce and step once.
 """
 
 from vflow._extension import _C
+from vflow._version import __version__
 from vflow.amp import LossScaler
 from vflow.batching import split_sizes
 from vflow.checkpoint import load, save
 from vflow.data import VNBatchSampler
 from vflow.distributed import CollectiveError
-from vflow.executor import Executor, PhaseTimings, StepResult
+from vflow.executor import Executor
 from vflow.plan import Plan, VNSlice
 from vflow.prefetch import VNTransform
+from vflow.profile import StepProfile, VNProfile, WorkerProfile
+from vflow.results import PhaseTimings, StepResult
 
 __all__ = [
     "_C",
@@ -23,12 +26,15 @@ __all__ = [
     "LossScaler",
     "PhaseTimings",
     "Plan",
+    "StepProfile",
     "StepResult",
     "VNBatchSampler",
+    "VNProfile",
     "VNSlice",
     "VNTransform",
+    "WorkerProfile",
+    "__version__",
     "load",
     "save",
     "split_sizes",
 ]
-__version__ = "0.2.0"

@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class ScalerSettings:
+    """A LossScaler's policy (not its state): what workers must agree on."""
+
+    init_scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
 
 
 class LossScaler:
@@ -32,11 +43,20 @@ class LossScaler:
             raise TypeError(f"growth_interval must be an int, got {type(growth_interval).__name__}")
         if growth_interval < 1:
             raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
+        self.init_scale = float(init_scale)
         self.scale = float(init_scale)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
         self.good_steps = 0
+
+    def settings(self) -> ScalerSettings:
+        return ScalerSettings(
+            self.init_scale,
+            float(self.growth_factor),
+            float(self.backoff_factor),
+            self.growth_interval,
+        )
 
     def update(self, found_nonfinite: bool) -> None:
         if found_nonfinite:

@@ -1,14 +1,12 @@
-"""Checkpoints of an Executor: ``vflow.save`` / ``vflow.load`` and the state dicts
-behind ``Executor.state_dict`` / ``Executor.load_state_dict``.
+"""Checkpoints of an Executor: ``vflow.save`` / ``vflow.load``.
 
 What is saved
-  The model's state dict (parameters and buffers), the optimizer's state dict, the
-  step counts (``step_count``, ``skipped_steps``), the seed, the loss scaler's state
-  and V. That is the executor's whole training state: the random draws of VN i at
-  step s come from generators seeded with ``vn_seed(seed, s, i)`` (Note [VN
-  randomness] in vflow.rng), so (seed, step_count) *is* the complete VN random
-  state; no generator state needs saving, and loading replaces the executor's seed
-  with the checkpoint's.
+  ``Executor.state_dict()``: the model, the optimizer, the step counts, the seed, the
+  loss scaler's state and V — the executor's whole training state, independent of the
+  plan and of the number of workers (vflow.training_state says why). A checkpoint
+  written by W workers therefore resumes on W' workers (any plan) with the same V.
+  Resuming bit for bit (not merely to rounding) also needs ``deterministic=True`` on
+  both sides, which makes the reductions independent of the mapping.
 
 What is not saved
   Whatever lives outside the executor: the caller's own random generators (vflow
@@ -19,16 +17,6 @@ What is not saved
   what ``torch.load(weights_only=True)`` reads back (tensors, numbers, strings,
   bytes, None, lists, tuples, sets, dicts); anything else is rejected at save time
   rather than at resume time.
-
-Plan independence
-  Nothing in the state depends on the plan or on the number of workers: every
-  worker holds the same parameters and optimizer state after a step, and the VN
-  random streams depend on the VN, not on the worker that runs it. A checkpoint
-  written by W workers therefore resumes on W' workers (any plan) with the same V;
-  V itself must match, since it fixes the VN slices of every global batch.
-  ``written_by`` records the writer's world size and plan for information only.
-  Resuming bit for bit (not merely to rounding) also needs ``deterministic=True``
-  on both sides, which makes the reductions independent of the mapping.
 
 Atomicity
   ``save`` writes to a temporary file in the destination's directory, flushes and
@@ -46,339 +34,25 @@ Several workers
   or the ranks read different checkpoints (a stale copy on some node), every rank
   raises with its state unchanged, instead of silently training on different
   replicas.
+
+Only the Executor's public methods are used: ``state_dict``, ``load_state_dict``
+and ``world`` (its worker set's rank, size and collectives).
 """
 
 from __future__ import annotations
 
 import collections
-import copy
 import errno
-import math
 import os
 import pickle
 import secrets
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from vflow.distributed import _fingerprint
-
-if TYPE_CHECKING:
-    from vflow.executor import Executor
-
-FORMAT = "vflow.executor"
-VERSION = 1
-_SUPPORTED_VERSIONS = (1,)
-# Keys that must be in an executor state of VERSION; "written_by" is informational.
-_REQUIRED = (
-    "virtual_nodes",
-    "seed",
-    "step_count",
-    "skipped_steps",
-    "deterministic",
-    "model",
-    "optimizer",
-    "optimizer_class",
-    "loss_scaler",
-)
-_MAX_LISTED = 8
-
-# ---- state dicts ----------------------------------------------------------------------
-
-
-def executor_state_dict(ex: Executor) -> dict[str, Any]:
-    """``ex``'s training state as a plan-independent dict that survives
-    ``torch.save`` / ``torch.load(weights_only=True)``.
-
-    As with ``torch.nn.Module.state_dict``, the tensors are the live ones: the dict
-    follows further training unless it is saved or cloned.
-    """
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "virtual_nodes": ex.virtual_nodes,
-        "seed": ex.seed,
-        "step_count": ex.step_count,
-        "skipped_steps": ex.skipped_steps,
-        "deterministic": bool(getattr(ex, "deterministic", False)),
-        "model": ex.model.state_dict(),
-        "optimizer": ex.optimizer.state_dict(),
-        "optimizer_class": _class_name(ex.optimizer),
-        "loss_scaler": None if ex.scaler is None else ex.scaler.state_dict(),
-        "written_by": {
-            "world_size": ex.world_size,
-            "plan_counts": list(ex.plan.counts),
-            "vflow_version": _vflow_version(),
-            "torch_version": str(torch.__version__),
-        },
-    }
-
-
-def load_executor_state_dict(ex: Executor, state: Any) -> None:
-    """Restores ``state`` (from ``executor_state_dict``) into ``ex``.
-
-    Everything is validated before anything changes; a state that does not fit
-    raises TypeError/ValueError naming the key. Should applying it still fail
-    (say, out of memory half-way), the model, optimizer, loss scaler, seed and step
-    counts are rolled back before the error propagates.
-    """
-    _load(ex, state, owned=False)
-
-
-def _load(ex: Executor, state: Any, *, owned: bool) -> _Snapshot:
-    """Validates and applies ``state``; returns the snapshot of what it replaced.
-
-    ``owned``: ``state`` was read from a file just now and nobody else holds its
-    tensors, so the optimizer may adopt them instead of copies.
-    """
-    _validate(ex, state)
-    snapshot = _Snapshot.take(ex)
-    optimizer_state = state["optimizer"]
-    if not owned:
-        # Optimizer.load_state_dict keeps tensors that already have the parameter's
-        # dtype and device instead of copying them; two executors would then update
-        # the same momentum buffers in place.
-        optimizer_state = {**optimizer_state, "state": _clone_tree(optimizer_state["state"])}
-    try:
-        ex.model.load_state_dict(state["model"], strict=True)
-        ex.optimizer.load_state_dict(optimizer_state)
-        if ex.scaler is not None:
-            ex.scaler.load_state_dict(state["loss_scaler"])
-        ex.step_count = state["step_count"]
-        ex.skipped_steps = state["skipped_steps"]
-        ex.seed = state["seed"]
-    except BaseException:
-        snapshot.restore(ex)
-        raise
-    return snapshot
-
-
-@dataclass
-class _Snapshot:
-    """What loading a state replaces, kept to roll back a failed load.
-
-    Tensors are copied to the CPU: a rollback is rare, and a second copy of the
-    optimizer state on an accelerator could itself run it out of memory.
-    """
-
-    model: dict[str, Any]
-    optimizer: dict[str, Any]
-    scaler: dict[str, Any] | None
-    step_count: int
-    skipped_steps: int
-    seed: int
-
-    @classmethod
-    def take(cls, ex: Executor) -> _Snapshot:
-        model_state = ex.model.state_dict()
-        model = collections.OrderedDict((k, _copy_to_cpu(v)) for k, v in model_state.items())
-        # Modules read their state-dict version from _metadata (e.g. BatchNorm's
-        # num_batches_tracked); without it they would take the state for an old one.
-        metadata = getattr(model_state, "_metadata", None)
-        if metadata is not None:
-            model._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
-        return cls(
-            model=model,
-            optimizer=_copy_to_cpu(ex.optimizer.state_dict()),
-            scaler=None if ex.scaler is None else dict(ex.scaler.state_dict()),
-            step_count=ex.step_count,
-            skipped_steps=ex.skipped_steps,
-            seed=ex.seed,
-        )
-
-    def restore(self, ex: Executor) -> None:
-        ex.model.load_state_dict(self.model, strict=True)
-        ex.optimizer.load_state_dict(self.optimizer)
-        if ex.scaler is not None and self.scaler is not None:
-            ex.scaler.load_state_dict(self.scaler)
-        ex.step_count = self.step_count
-        ex.skipped_steps = self.skipped_steps
-        ex.seed = self.seed
-
-
-# ---- validation -------------------------------------------------------------------------
-
-
-def _validate(ex: Executor, state: Any) -> None:
-    if not isinstance(state, Mapping):
-        raise TypeError(
-            "executor state must be a dict (from Executor.state_dict()), got "
-            f"{type(state).__name__}"
-        )
-    if state.get("format") != FORMAT:
-        raise ValueError(
-            f"not a vflow executor state: state['format'] is {state.get('format')!r}, expected "
-            f"{FORMAT!r} (a dict from Executor.state_dict(), or the 'executor' entry of a "
-            "vflow.save file)"
-        )
-    version = state.get("version")
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise TypeError(f"state['version'] must be an int, got {type(version).__name__}")
-    if version not in _SUPPORTED_VERSIONS:
-        raise ValueError(
-            f"state['version'] is {version}; this vflow reads versions {list(_SUPPORTED_VERSIONS)}"
-            + (" (the checkpoint was written by a newer vflow)" if version > VERSION else "")
-        )
-    missing = [key for key in _REQUIRED if key not in state]
-    if missing:
-        raise ValueError(f"executor state lacks the key(s) {missing}")
-
-    v = _int(state, "virtual_nodes", 1)
-    if v != ex.virtual_nodes:
-        raise ValueError(
-            f"the checkpoint was written for V={v} virtual nodes, this executor has "
-            f"V={ex.virtual_nodes}; V must match (the number of workers need not)"
-        )
-    _int(state, "seed", 0)
-    steps = _int(state, "step_count", 0)
-    skipped = _int(state, "skipped_steps", 0)
-    if skipped > steps:
-        raise ValueError(
-            f"state['skipped_steps'] is {skipped} but state['step_count'] only {steps}; "
-            "skipped steps are counted among the steps"
-        )
-    if not isinstance(state["deterministic"], bool):
-        raise TypeError(
-            f"state['deterministic'] must be a bool, got {type(state['deterministic']).__name__}"
-        )
-    _check_model(ex.model, state["model"])
-    _check_optimizer(ex.optimizer, state["optimizer"], state["optimizer_class"])
-    _check_scaler(ex, state["loss_scaler"])
-
-
-def _int(state: Mapping[str, Any], key: str, minimum: int) -> int:
-    value = state[key]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"state[{key!r}] must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"state[{key!r}] must be >= {minimum}, got {value}")
-    return value
-
-
-def _listed(names: list[str]) -> str:
-    shown = ", ".join(repr(n) for n in names[:_MAX_LISTED])
-    more = len(names) - _MAX_LISTED
-    return shown + (f" and {more} more" if more > 0 else "")
-
-
-def _check_model(model: torch.nn.Module, saved: Any) -> None:
-    if not isinstance(saved, Mapping):
-        raise TypeError(
-            f"state['model'] must be a dict (a model state dict), got {type(saved).__name__}"
-        )
-    expected = model.state_dict()
-    missing = [k for k in expected if k not in saved]
-    unexpected = [k for k in saved if k not in expected]
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing key(s) {_listed(missing)}")
-        if unexpected:
-            parts.append(f"unexpected key(s) {_listed(unexpected)}")
-        raise ValueError(
-            f"state['model'] does not fit the model: {'; '.join(parts)}; the checkpoint must "
-            "come from the same architecture"
-        )
-    for key, want in expected.items():
-        if not isinstance(want, torch.Tensor):
-            continue  # extra state (get_extra_state) is the module's to check
-        got = saved[key]
-        if not isinstance(got, torch.Tensor):
-            raise TypeError(f"state['model'][{key!r}] must be a tensor, got {type(got).__name__}")
-        if got.shape != want.shape or got.dtype != want.dtype:
-            raise ValueError(
-                f"state['model'][{key!r}] has shape {tuple(got.shape)} and dtype {got.dtype}, "
-                f"the model's has shape {tuple(want.shape)} and dtype {want.dtype}"
-            )
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, saved: Any, saved_class: Any) -> None:
-    mine = _class_name(optimizer)
-    if saved_class != mine:
-        # Another optimizer's state loads without complaint and fails at the next step
-        # (or, worse, does not).
-        raise ValueError(
-            f"state['optimizer_class'] is {saved_class!r} but this executor's optimizer is "
-            f"{mine!r}; the optimizer state only fits the optimizer that wrote it"
-        )
-    if not isinstance(saved, Mapping) or not {"state", "param_groups"} <= set(saved):
-        raise TypeError(
-            "state['optimizer'] must be an optimizer state dict with 'state' and "
-            f"'param_groups', got {type(saved).__name__}"
-            + (f" with keys {sorted(map(str, saved))}" if isinstance(saved, Mapping) else "")
-        )
-    groups = saved["param_groups"]
-    if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
-        raise TypeError("state['optimizer']['param_groups'] must be a list of dicts")
-    live = optimizer.param_groups
-    if len(groups) != len(live):
-        raise ValueError(
-            f"state['optimizer'] has {len(groups)} parameter group(s), this executor's "
-            f"optimizer has {len(live)}; the groups must match"
-        )
-    ids: set[Any] = set()
-    for g, (group, live_group) in enumerate(zip(groups, live)):
-        params = group.get("params")
-        if not isinstance(params, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in params
-        ):
-            raise TypeError(
-                f"state['optimizer']['param_groups'][{g}]['params'] must be a list of ints"
-            )
-        if len(params) != len(live_group["params"]):
-            raise ValueError(
-                f"state['optimizer']['param_groups'][{g}] has {len(params)} parameter(s), the "
-                f"optimizer's group {g} has {len(live_group['params'])}; the groups must match"
-            )
-        ids.update(params)
-    per_param = saved["state"]
-    if not isinstance(per_param, Mapping):
-        raise TypeError(
-            f"state['optimizer']['state'] must be a dict, got {type(per_param).__name__}"
-        )
-    for key, value in per_param.items():
-        if key not in ids:
-            raise ValueError(
-                f"state['optimizer']['state'] has an entry for parameter {key!r}, which no "
-                "parameter group lists"
-            )
-        if not isinstance(value, Mapping):
-            raise TypeError(
-                f"state['optimizer']['state'][{key!r}] must be a dict, got {type(value).__name__}"
-            )
-
-
-def _check_scaler(ex: Executor, saved: Any) -> None:
-    if ex.scaler is None:
-        if saved is not None:
-            raise ValueError(
-                "state['loss_scaler'] holds a loss scaler's state but this executor has no "
-                "loss scaling; construct it with loss_scale=True (or the same amp) as the "
-                "executor that wrote the checkpoint"
-            )
-        return
-    if saved is None:
-        raise ValueError(
-            "state['loss_scaler'] is None (written without loss scaling) but this executor "
-            "scales its loss; construct it with loss_scale=False to load this checkpoint"
-        )
-    if not isinstance(saved, Mapping):
-        raise TypeError(f"state['loss_scaler'] must be a dict, got {type(saved).__name__}")
-    scale = saved.get("scale")
-    if (
-        isinstance(scale, bool)
-        or not isinstance(scale, (int, float))
-        or not (math.isfinite(scale) and scale > 0)
-    ):
-        raise ValueError(
-            f"state['loss_scaler']['scale'] must be a finite number > 0, got {scale!r}"
-        )
-    good = saved.get("good_steps")
-    if isinstance(good, bool) or not isinstance(good, int) or good < 0:
-        raise ValueError(f"state['loss_scaler']['good_steps'] must be an int >= 0, got {good!r}")
-
+from vflow.distributed import fingerprint
+from vflow.executor import Executor
+from vflow.training_state import copy_to_cpu
 
 # ---- files ----------------------------------------------------------------------------
 
@@ -391,12 +65,12 @@ def save(path: str | os.PathLike[str], ex: Executor, extra: Any = None) -> None:
     """
     path = _check_path(path, "vflow.save")
     _check_executor(ex, "vflow.save")
-    ex._check_open()
-    if ex._collectives is None:
+    world = ex.world
+    if not world.distributed:
         _save_here(path, ex, extra)
         return
     error: Exception | None = None
-    if ex.rank == 0:
+    if world.rank == 0:
         try:
             _save_here(path, ex, extra)
         except Exception as e:
@@ -404,8 +78,7 @@ def save(path: str | os.PathLike[str], ex: Executor, extra: Any = None) -> None:
     # Rank 0 catches its own error and reports it here: had it raised instead, the
     # other ranks would wait in this broadcast until the timeout.
     flag = torch.tensor([1.0 if error is None else 0.0], dtype=torch.float64)
-    flag = flag.to(ex._collectives.device)
-    ex._collectives.broadcast_from_first([flag], "checkpoint save", ex.step_count)
+    world.broadcast_from(0, [flag], "checkpoint save", ex.step_count)
     if error is not None:
         raise error
     if float(flag) != 1.0:
@@ -425,38 +98,42 @@ def load(path: str | os.PathLike[str], ex: Executor, map_location: Any = None) -
     """
     path = _check_path(path, "vflow.load")
     _check_executor(ex, "vflow.load")
-    ex._check_open()
-    if ex._collectives is None:
+    world = ex.world
+    if not world.distributed:
         checkpoint = _read(path, map_location)
-        _load(ex, checkpoint["executor"], owned=True)
+        ex.load_state_dict(checkpoint["executor"], assign=True)
         return checkpoint["extra"]
 
     error: Exception | None = None
-    snapshot: _Snapshot | None = None
+    before: dict[str, Any] | None = None
     extra = None
     try:
         checkpoint = _read(path, map_location)
         extra = checkpoint["extra"]
-        snapshot = _load(ex, checkpoint["executor"], owned=True)
+        before = copy_to_cpu(ex.state_dict())
+        ex.load_state_dict(checkpoint["executor"], assign=True)
     except Exception as e:
         error = e
+        before = None  # nothing was loaded: load_state_dict changes nothing when it raises
     # What identifies the checkpoint: ranks that read different files (a stale copy)
     # almost surely differ here, and would otherwise go on with different replicas.
-    fingerprint = _fingerprint(
+    print_ = fingerprint(
         repr((ex.step_count, ex.skipped_steps, ex.seed, ex.scaler and ex.scaler.state_dict()))
     )
     loaded_step = ex.step_count
-    mine = torch.tensor([[0 if error is None else 1, fingerprint]], dtype=torch.int64)
     try:
-        table = ex._collectives.gather_rows(mine, [1] * ex.world_size, ex.step_count).cpu()
+        table = world.gather_ints(
+            [0 if error is None else 1, print_], "checking that every rank loaded", ex.step_count
+        )
     except BaseException:
-        if snapshot is not None:
-            snapshot.restore(ex)
+        if before is not None:
+            ex.load_state_dict(before, assign=True)
         raise
-    failed = table[:, 0].nonzero().flatten().tolist()
-    if failed or bool((table[:, 1] != table[0, 1]).any()):
-        if snapshot is not None:
-            snapshot.restore(ex)
+    failed = [r for r, (bad, _) in enumerate(table) if bad]
+    differ = [r for r, (_, other) in enumerate(table) if other != table[world.rank][1]]
+    if failed or differ:
+        if before is not None:
+            ex.load_state_dict(before, assign=True)
         if error is not None:
             raise error
         if failed:
@@ -464,7 +141,6 @@ def load(path: str | os.PathLike[str], ex: Executor, map_location: Any = None) -
                 f"vflow.load: rank(s) {failed} could not load {path!r} (their errors say why); "
                 "no rank loaded it, this rank's state is unchanged"
             )
-        differ = (table[:, 1] != table[ex.rank, 1]).nonzero().flatten().tolist()
         raise ValueError(
             f"vflow.load: rank(s) {differ} read a different checkpoint from {path!r} than this "
             f"rank, whose copy is at step {loaded_step}; every rank must read the same file (a "
@@ -485,10 +161,10 @@ def _check_path(path: Any, where: str) -> str:
 
 
 def _check_executor(ex: Any, where: str) -> None:
-    from vflow.executor import Executor  # here: vflow.executor imports this module
-
     if not isinstance(ex, Executor):
         raise TypeError(f"{where}: ex must be a vflow.Executor, got {type(ex).__name__}")
+    if ex.closed:
+        raise RuntimeError("this Executor is closed")
 
 
 def _save_here(path: str, ex: Executor, extra: Any) -> None:
@@ -605,36 +281,3 @@ def _check_loadable(value: Any, where: str) -> None:
         )
 
     walk(value, where)
-
-
-def _map_tensors(
-    value: Any, fn: Callable[[torch.Tensor], torch.Tensor], leaf: Callable[[Any], Any]
-) -> Any:
-    """``value`` with every tensor in its dicts, lists and tuples replaced by ``fn(t)``
-    and every other leaf by ``leaf(x)``."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, Mapping):
-        return {k: _map_tensors(v, fn, leaf) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(v, fn, leaf) for v in value)
-    return leaf(value)
-
-
-def _clone_tree(value: Any) -> Any:
-    return _map_tensors(value, lambda t: t.detach().clone(), lambda x: x)
-
-
-def _copy_to_cpu(value: Any) -> Any:
-    return _map_tensors(value, lambda t: t.detach().to("cpu", copy=True), copy.deepcopy)
-
-
-def _class_name(obj: object) -> str:
-    kind = type(obj)
-    return f"{kind.__module__}.{kind.__qualname__}"
-
-
-def _vflow_version() -> str:
-    import vflow  # here: vflow imports this module while it initialises
-
-    return str(getattr(vflow, "__version__", "unknown"))

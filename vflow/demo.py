@@ -204,9 +204,7 @@ def _train(
         )
         # Not dist.all_reduce: see Note [Collectives on tensors Python cannot see].
         collectives = (
-            vflow.distributed.Collectives(group, timedelta(seconds=120))
-            if group is not None
-            else None
+            vflow.distributed.World(group, timedelta(seconds=120)) if group is not None else None
         )
     per_device = run.global_batch // run.workers
     for epoch in range(args["epochs"]):

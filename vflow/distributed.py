@@ -1,6 +1,6 @@
-"""The Executor's side of torch.distributed: which group, which rank, and the few
-collectives that are not gradient buckets (those live in the C++ Reducer,
-csrc/reducer.h).
+"""The Executor's side of torch.distributed: the worker set it runs on (``World``:
+which group, which rank, and the few collectives that are not gradient buckets —
+those live in the C++ Reducer, csrc/reducer.h).
 
 Every collective here is issued by every rank at the same point of a step, so the
 issue order on the process group — which is how collectives are matched — is the
@@ -52,17 +52,26 @@ def resolve_group(process_group: object) -> dist.ProcessGroup | None:
     return process_group
 
 
+def backend_name(group: dist.ProcessGroup) -> str:
+    """``group``'s backend ("gloo", "nccl", ...), also for a group built directly on a
+    store rather than through ``init_process_group``/``new_group``."""
+    try:
+        return str(dist.get_backend(group))
+    except (ValueError, RuntimeError):
+        return str(group.name())
+
+
 def describe(group: dist.ProcessGroup) -> str:
     name = getattr(group, "group_name", "") or "default"
     return (
-        f"process group {name!r} (backend {dist.get_backend(group)}, rank {group.rank()} "
+        f"process group {name!r} (backend {backend_name(group)}, rank {group.rank()} "
         f"of {group.size()})"
     )
 
 
 def comm_device(group: dist.ProcessGroup) -> torch.device:
     """Where small control tensors must live for ``group``'s backend."""
-    if dist.get_backend(group) == "nccl":
+    if backend_name(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -108,17 +117,29 @@ def default_plan(virtual_nodes: int, world_size: int) -> Plan:
     return Plan.even(virtual_nodes, world_size)
 
 
-class Collectives:
-    """The Executor's non-bucket collectives on one group."""
+class World:
+    """One worker set as the Executor sees it: a process group (or this process alone),
+    this worker's rank in it, the bound on every wait, and the collectives of the
+    Executor that are not gradient buckets. Replaced as a whole when the worker set
+    changes (``Executor.reconfigure``)."""
 
-    def __init__(self, group: dist.ProcessGroup, timeout: datetime.timedelta) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, timeout: datetime.timedelta) -> None:
         self.group = group
-        self.rank = group.rank()
-        self.size = group.size()
         self.timeout = timeout
-        self.device = comm_device(group)
-        self.description = describe(group)
+        if group is None:
+            self.rank, self.size = 0, 1
+            self.device = torch.device("cpu")
+            self.description = "this process"
+        else:
+            self.rank, self.size = group.rank(), group.size()
+            self.device = comm_device(group)
+            self.description = describe(group)
         self._timeout_s = timeout.total_seconds()
+
+    @property
+    def distributed(self) -> bool:
+        """Whether there are other workers to talk to."""
+        return self.group is not None and self.size > 1
 
     def _run(self, collective: Callable[[], None], what: str, step: int | None) -> None:
         """Runs one of the ``_C`` collectives, which copy their tensors (Note
@@ -132,42 +153,35 @@ class Collectives:
                 f"{self.timeout.total_seconds():g} s): {e}"
             ) from e
 
-    def check_agreement(self, what: Sequence[tuple[str, str, str]]) -> None:
-        """Raises on every rank unless all ranks hold the same values.
-
-        ``what``: (name, full text of the value, how to show it in the error).
-        """
-        mine = torch.tensor([_fingerprint(text) for _, text, _ in what], dtype=torch.int64)
+    def gather_ints(self, values: Sequence[int], what: str, step: int | None) -> list[list[int]]:
+        """Every rank's ``values`` (the same count on every rank), in rank order."""
+        mine = torch.tensor(list(values), dtype=torch.int64)
+        if not self.distributed:
+            return [mine.tolist()]
         mine = mine.to(self.device)
         gathered = [torch.empty_like(mine) for _ in range(self.size)]
         self._run(
-            lambda: _C.all_gather_into(self.group, mine, gathered, self._timeout_s),
-            "checking that all ranks agree on the plan and the model",
-            None,
+            lambda: _C.all_gather_into(self.group, mine, gathered, self._timeout_s), what, step
         )
-        table = torch.stack([t.cpu() for t in gathered])
-        for column, (name, _, shown) in enumerate(what):
-            differ = (table[:, column] != table[self.rank, column]).nonzero().flatten().tolist()
-            if differ:
-                raise ValueError(
-                    f"ranks disagree on the {name}: rank(s) {differ} of {self.description} "
-                    f"differ from this rank, which has {shown}; every rank must construct the "
-                    "Executor (and call set_plan) with the same value"
-                )
+        return [t.cpu().tolist() for t in gathered]
 
-    def broadcast_from_first(
-        self, tensors: Sequence[torch.Tensor], what: str, step: int | None
+    def broadcast_from(
+        self, root: int, tensors: Sequence[torch.Tensor], what: str, step: int | None
     ) -> None:
-        """Copies rank 0's values into ``tensors`` on every rank."""
+        """Copies rank ``root``'s values into ``tensors`` on every rank."""
+        if not self.distributed:
+            return
         self._coalesced(
             tensors,
-            lambda members: _C.broadcast_(self.group, members, self.device, 0, self._timeout_s),
+            lambda members: _C.broadcast_(self.group, members, self.device, root, self._timeout_s),
             what,
             step,
         )
 
     def sum(self, tensors: Sequence[torch.Tensor], what: str, step: int | None) -> None:
         """In place: each tensor becomes its sum over the ranks."""
+        if not self.distributed:
+            return
         self._coalesced(
             tensors,
             lambda members: _C.all_reduce_sum_(self.group, members, self.device, self._timeout_s),
@@ -190,6 +204,8 @@ class Collectives:
     def gather_rows(self, local: torch.Tensor, counts: Sequence[int], step: int) -> torch.Tensor:
         """Concatenates every rank's ``local`` rows in rank order; rank r has
         ``counts[r]`` rows (all_gather needs equal shapes, so rows are padded)."""
+        if not self.distributed:
+            return local
         rows = max(counts)
         padded = local.new_zeros((rows, *local.shape[1:]), device=self.device)
         padded[: local.shape[0]] = local.to(self.device)
@@ -203,7 +219,8 @@ class Collectives:
         return torch.cat(parts).to(local.device)
 
 
-def _fingerprint(text: str) -> int:
+def fingerprint(text: str) -> int:
+    """A 63-bit hash of ``text`` (stable across processes, unlike ``hash``)."""
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1  # fits an int64
 

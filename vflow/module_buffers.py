@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from vflow.distributed import Collectives
+    from vflow.distributed import World
 
 BUFFER_RULES = ("vn0", "mean")
 
@@ -100,15 +100,15 @@ class BufferRule:
         self._start[k].copy_(self._snapshot[k])
 
     @torch.no_grad()
-    def reduce(self, collectives: Collectives, virtual_nodes: int, step: int) -> None:
+    def reduce(self, world: World, virtual_nodes: int, step: int) -> None:
         """Turns this worker's per-VN record into the rule's value over all V VNs of
         all workers (VN 0 runs on the group's first rank); call before commit."""
         averaged = [value for value in self._result if self._averaged(value)]
         from_vn0 = [value for value in self._result if not self._averaged(value)]
         if averaged:
-            collectives.sum(averaged, "all-reduce of the module buffers", step)
+            world.sum(averaged, "all-reduce of the module buffers", step)
         if from_vn0:
-            collectives.broadcast_from_first(from_vn0, "broadcast of VN 0's module buffers", step)
+            world.broadcast_from(0, from_vn0, "broadcast of VN 0's module buffers", step)
         self._vns = virtual_nodes
 
     @torch.no_grad()

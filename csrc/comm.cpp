@@ -1,0 +1,75 @@
+#include "comm.h"
+
+#include "collectives.h"
+
+#include <ATen/record_function.h>
+#include <c10/util/Exception.h>
+
+#include <sstream>
+#include <utility>
+#include <vector>
+
+namespace vflow {
+
+Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout,
+           std::string description)
+    : group_(std::move(group)), timeout_(timeout), description_(std::move(description)) {
+  TORCH_CHECK(timeout.count() > 0, "timeout must be > 0 ms, got ", timeout.count());
+  if (group_) {
+    rank_ = group_->getRank();
+    size_ = group_->getSize();
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> Comm::all_reduce(at::Tensor tensor, const std::string& what,
+                                                c10d::ReduceOp::RedOpType op) {
+  RECORD_FUNCTION("vflow::all_reduce", std::vector<c10::IValue>());
+  std::vector<at::Tensor> tensors{std::move(tensor)};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp(op);
+  options.timeout = timeout_;
+  try {
+    return group_->allreduce(tensors, options);
+  } catch (const std::exception& e) {
+    fail("starting the " + what, error_text(e));
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> Comm::send(at::Tensor tensor, int64_t peer, int tag,
+                                          const std::string& what) {
+  std::vector<at::Tensor> tensors{std::move(tensor)};
+  try {
+    return group_->send(tensors, static_cast<int>(peer), tag);
+  } catch (const std::exception& e) {
+    fail("starting the " + what, error_text(e));
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> Comm::recv(at::Tensor tensor, int64_t peer, int tag,
+                                          const std::string& what) {
+  std::vector<at::Tensor> tensors{std::move(tensor)};
+  try {
+    return group_->recv(tensors, static_cast<int>(peer), tag);
+  } catch (const std::exception& e) {
+    fail("starting the " + what, error_text(e));
+  }
+}
+
+void Comm::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) const {
+  RECORD_FUNCTION("vflow::wait", std::vector<c10::IValue>());
+  try {
+    work->wait(timeout_);
+  } catch (const std::exception& e) {
+    fail(what, error_text(e));
+  }
+}
+
+void Comm::fail(const std::string& what, const std::string& cause) const {
+  std::ostringstream out;
+  out << "vflow step " << step_ << ": " << what << " on " << description_
+      << " failed or timed out (timeout " << static_cast<double>(timeout_.count()) / 1000.0
+      << " s): " << cause;
+  throw CollectiveError(out.str());
+}
+
+} // namespace vflow

@@ -1,0 +1,149 @@
+"""Joining a worker set: what its members check with each other, and the training
+state a new member receives.
+
+Note [Joining a worker set]
+The Executor's constructor and ``Executor.reconfigure`` run one protocol over the new
+group, a sequence of collectives that every rank issues in the same order:
+
+1. One all-gather of a row per rank: a fingerprint of the plan, of the model layout and
+   of every agreed setting (Note [Agreement], vflow/config.py); whether the rank is a
+   *member* (its executor has been training in this job: ``reconfigure``) or new to it
+   (a constructor); a member's step count and a fingerprint of its progress (step
+   counts, seed, loss scaler state).
+2. Every rank reads the same table, so every rank decides the same way: all raise if
+   any column differs, or if the members are not at the same point of training. Else:
+   - nobody is a member (a new job): with ``broadcast_parameters``, rank 0's
+     parameters and buffers are broadcast, as DDP does;
+   - members and newcomers: the lowest-ranked member serialises its training state
+     (vflow.training_state: model, optimizer, step counts, seed, loss scaler) and
+     broadcasts it, its size first; each newcomer loads it, bit for bit. A last
+     all-gather of one flag per rank makes every rank raise if a newcomer could not;
+   - members only (a shrink, or the same workers under a new plan): nothing more.
+
+Nothing of a member changes until the protocol has succeeded, so a failure leaves its
+executor on its old worker set. A newcomer whose protocol fails raises from its
+constructor, leaving no hooks behind.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vflow.distributed import World, fingerprint
+
+_AGREEMENT = "checking that all ranks agree on the plan and the model"
+
+
+@dataclass(frozen=True)
+class Column:
+    """One value all ranks must share: its name, its full text (fingerprinted) and how
+    an error shows it."""
+
+    name: str
+    text: str
+    shown: str
+
+
+def check_agreement(
+    world: World, columns: Sequence[Column], extra: Sequence[int] = (), step: int | None = None
+) -> list[list[int]]:
+    """Raises on every rank unless all ranks hold the same ``columns``; returns every
+    rank's ``extra`` integers (one all-gather for both)."""
+    row = [fingerprint(c.text) for c in columns] + list(extra)
+    table = world.gather_ints(row, _AGREEMENT, step)
+    for k, column in enumerate(columns):
+        differ = [r for r in range(world.size) if table[r][k] != table[world.rank][k]]
+        if differ:
+            raise ValueError(
+                f"ranks disagree on the {column.name}: rank(s) {differ} of "
+                f"{world.description} differ from this rank, which has {column.shown}; every "
+                "rank must construct the Executor (and call set_plan or reconfigure) with the "
+                "same value"
+            )
+    return [r[len(columns) :] for r in table]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What this rank brings to a new worker set."""
+
+    member: bool  # it has been training in this job
+    step_count: int
+    progress: str  # text of its step counts, seed and loss scaler state
+
+
+def join(
+    world: World,
+    columns: Sequence[Column],
+    candidate: Candidate,
+    *,
+    state_bytes: Callable[[], bytes],
+    load_state: Callable[[bytes], None],
+    fresh_start: Callable[[], None],
+) -> None:
+    """Runs Note [Joining a worker set] for this rank. ``state_bytes`` (on the member
+    that sends) serialises the training state; ``load_state`` (on a newcomer) applies
+    it; ``fresh_start`` runs when nobody is a member yet."""
+    extra = [int(candidate.member), candidate.step_count, fingerprint(candidate.progress)]
+    rows = check_agreement(world, columns, extra)
+    members = [r for r, (member, _, _) in enumerate(rows) if member]
+    if not members:
+        fresh_start()
+        return
+    progress = {(step, print_) for r, (_, step, print_) in enumerate(rows) if r in members}
+    if len(progress) > 1:
+        steps = {r: rows[r][1] for r in members}
+        raise ValueError(
+            f"the members of {world.description} are at different points of training "
+            f"(step counts by rank: {steps}); only executors that took the same steps can "
+            "form one worker set"
+        )
+    if len(members) == world.size:
+        return
+    _send_state(world, members[0], candidate.member, state_bytes, load_state)
+
+
+def _send_state(
+    world: World,
+    source: int,
+    member: bool,
+    state_bytes: Callable[[], bytes],
+    load_state: Callable[[bytes], None],
+) -> None:
+    payload = state_bytes() if world.rank == source else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    world.broadcast_from(source, [size], "broadcast of the training state's size", None)
+    if world.rank == source:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    else:
+        data = torch.empty(int(size), dtype=torch.uint8)
+    world.broadcast_from(source, [data], "broadcast of the training state to new members", None)
+    error: Exception | None = None
+    if not member:
+        try:
+            load_state(data.numpy().tobytes())
+        except Exception as e:
+            error = e
+    flags = world.gather_ints([int(error is None)], "checking that new members loaded", None)
+    if error is not None:
+        raise error
+    failed = [r for r, (ok,) in enumerate(flags) if not ok]
+    if failed:
+        raise RuntimeError(
+            f"rank(s) {failed} of {world.description} could not load the training state sent "
+            "to new members (their errors say why); the worker set was not changed"
+        )
+
+
+def serialize(state: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def deserialize(data: bytes) -> object:
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)

@@ -1,0 +1,92 @@
+"""Per-step timings: what each worker spent on each of its VNs, computing and waiting.
+
+Note [Profiles]
+A step records, for this worker, every VN's forward and backward time, their sum (its
+compute), the time it sat blocked on collectives that backward did not hide (its
+exposed communication, which also holds any wait for slower workers) and the time of
+the optimizer step. ``StepResult.profile`` carries these numbers for the step just
+run. A planner needs every worker's, on every rank: they travel in the statistics
+all-reduce that every step already runs (vflow.step_stats), one step late — the
+statistics are sent before the last backward, when the step's own times are not yet
+known — so gathering them costs no collective. ``Executor.last_profile`` is therefore
+the latest step that every rank holds for all workers: the previous one on several
+workers, the current one on a single process. A new worker set starts without one.
+
+Timing never synchronises the device during a step: on the CPU the marks are host
+timestamps; on CUDA they are events on the current stream, read once the step's last
+event has completed (the one wait the step already has at its end).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class VNProfile:
+    """One VN as run by one worker."""
+
+    vn: int
+    size: int  # samples
+    forward_s: float
+    backward_s: float
+
+
+@dataclass(frozen=True)
+class WorkerProfile:
+    """One worker's step (Note [Profiles])."""
+
+    rank: int
+    step: int
+    vns: tuple[VNProfile, ...]
+    compute_s: float  # sum of the VNs' forward and backward times
+    exposed_comm_s: float  # blocked on collectives (incl. waiting for slower workers)
+    optimizer_s: float
+    step_s: float  # the whole step
+
+    @property
+    def samples(self) -> int:
+        return sum(vn.size for vn in self.vns)
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Every worker's profile of one step, in rank order."""
+
+    step: int
+    workers: tuple[WorkerProfile, ...]
+
+
+class StepClock:
+    """Marks points of one step; ``seconds(a, b)`` between marks once ``finish`` ran."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._marks: list[Any] = []
+        self._times: list[float] = []
+
+    def mark(self) -> int:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+        return len(self._marks) - 1
+
+    def finish(self) -> None:
+        """Makes every mark readable (on CUDA: waits for the last event)."""
+        if not self._cuda:
+            self._times = self._marks
+            return
+        last = self._marks[-1]
+        last.synchronize()
+        first = self._marks[0]
+        self._times = [0.0] + [first.elapsed_time(event) / 1e3 for event in self._marks[1:]]
+
+    def seconds(self, start: int, stop: int) -> float:
+        return self._times[stop] - self._times[start]

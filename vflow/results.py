@@ -1,0 +1,51 @@
+"""What ``Executor.step`` returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vflow.profile import WorkerProfile
+
+
+@dataclass(frozen=True)
+class PhaseTimings:
+    """Seconds spent in each phase of one step (wall clock on the host; on CUDA
+    measured with events on the current stream)."""
+
+    forward_backward: float
+    reduce: float
+    optimizer: float
+    # Of ``reduce``: host time blocked on gradient reductions that backward did not
+    # hide (0 on one worker).
+    reduce_wait: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.forward_backward + self.reduce + self.optimizer
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one global step did.
+
+    loss: the global batch's loss (all workers) — the size-weighted mean of the VN mean
+      losses, or sum(loss_sum) / sum(num_items) for ``(loss_sum, num_items)`` losses.
+    num_items: for mean losses the samples in the global batch (an int, B); for summed
+      losses the total num_items of all workers (a float).
+    step: index of this step (0 for the first).
+    skipped: True when the optimizer step was skipped because a gradient was inf/NaN.
+    loss_scale: the fp16 loss scale used for this step, or None without loss scaling.
+    grad_norm: the global gradient 2-norm before clipping, when max_grad_norm is set.
+    timings: the step's phases on this worker.
+    profile: this worker's per-VN forward and backward times, compute and exposed
+      communication (Note [Profiles] in vflow/profile.py).
+    """
+
+    loss: float
+    num_items: int | float
+    step: int
+    skipped: bool
+    loss_scale: float | None
+    grad_norm: float | None
+    timings: PhaseTimings
+    profile: WorkerProfile

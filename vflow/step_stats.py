@@ -1,0 +1,169 @@
+"""The step's statistics: one small float64 tensor per worker, summed over the workers
+ahead of the gradient buckets (csrc/reducer.h, ``start_stats``). This module is the one
+owner of its layout: the Executor hands it values and gets totals back.
+
+Layout, for V virtual nodes and W workers::
+
+    [0, V)          weighted loss of each VN (n_i / B * loss_i, or loss_sum_i)
+    [V, 2V)         num_items of each VN (summed losses)
+    2V              1 if this worker's losses are summed
+    2V + 1          VNs of this worker with an invalid num_items
+    [2V+2, 6V+2)    the previous step's profile, per VN: owner rank + 1, size,
+                    forward seconds, backward seconds (Note [Profiles], vflow.profile)
+    [6V+2, 6V+2+6W) the previous step's profile, per worker: present, step, compute,
+                    exposed communication, optimizer and step seconds
+
+Every value sits in a slot of its own — a VN's, or a worker's — and is zero on every
+other worker, so the sum over workers only ever adds zeros to a value: exact in any
+order. Totals are then added in VN order, which keeps the reported loss independent
+of the plan (and bitwise so in deterministic mode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vflow.losses import LossKind
+from vflow.profile import StepProfile, VNProfile, WorkerProfile
+
+_VN_ROWS = 4  # owner + 1, size, forward, backward
+_WORKER_FIELDS = 6  # present, step, compute, exposed comm, optimizer, step
+
+
+@dataclass(frozen=True)
+class GlobalStats:
+    loss_total: float  # weighted VN losses added in VN order
+    items_total: float  # num_items added in VN order
+    sum_workers: float  # workers whose losses are summed
+    bad_items: float  # VNs with an invalid num_items, all workers
+    profile: StepProfile | None  # every worker's previous step
+
+
+class StatsLayout:
+    """The statistics tensor of a step with V virtual nodes on W workers."""
+
+    def __init__(self, virtual_nodes: int, world_size: int) -> None:
+        self.virtual_nodes = virtual_nodes
+        self.world_size = world_size
+        self._profile_vns = 2 * virtual_nodes + 2
+        self._profile_workers = self._profile_vns + _VN_ROWS * virtual_nodes
+        self.numel = self._profile_workers + _WORKER_FIELDS * world_size
+
+    def encode(
+        self,
+        vns: list[int],
+        losses: list[torch.Tensor],
+        weights: list[float],
+        kind: LossKind,
+        items: list[torch.Tensor | float],
+        previous: WorkerProfile | None,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """This worker's statistics on ``device``. Losses and items stay on their
+        device until the one copy at the end: no host synchronisation before the last
+        backward."""
+        v = self.virtual_nodes
+        loss_device = losses[0].device
+        host = [0.0] * self.numel
+        host[2 * v] = 1.0 if kind == "sum" else 0.0
+        if previous is not None:
+            self._put_profile(host, previous)
+        stats = torch.tensor(host, dtype=torch.float64, device=loss_device)
+        index = torch.tensor(vns, device=loss_device)
+        stats[index] = _stack_double(losses) * torch.tensor(
+            weights, dtype=torch.float64, device=loss_device
+        )
+        if kind == "sum":
+            counts = torch.stack(
+                [torch.as_tensor(n, dtype=torch.float64).to(loss_device) for n in items]
+            )
+            stats[v + index] = counts
+            # Counted on the device, so that bad counts are seen by every worker
+            # without a host synchronisation before the last backward.
+            stats[2 * v + 1] = ((counts < 0) | ~torch.isfinite(counts)).sum().double()
+        return stats.to(device)
+
+    def _put_profile(self, host: list[float], profile: WorkerProfile) -> None:
+        v = self.virtual_nodes
+        base = self._profile_vns
+        for entry in profile.vns:
+            host[base + entry.vn] = profile.rank + 1.0
+            host[base + v + entry.vn] = float(entry.size)
+            host[base + 2 * v + entry.vn] = entry.forward_s
+            host[base + 3 * v + entry.vn] = entry.backward_s
+        at = self._profile_workers + _WORKER_FIELDS * profile.rank
+        host[at : at + _WORKER_FIELDS] = [
+            1.0,
+            float(profile.step),
+            profile.compute_s,
+            profile.exposed_comm_s,
+            profile.optimizer_s,
+            profile.step_s,
+        ]
+
+    def decode(self, sums: torch.Tensor) -> GlobalStats:
+        """Totals from the statistics summed over the workers."""
+        values = sums.tolist()
+        v = self.virtual_nodes
+        loss_total = 0.0
+        items_total = 0.0
+        for vn in range(v):
+            loss_total += values[vn]
+            items_total += values[v + vn]
+        return GlobalStats(
+            loss_total, items_total, values[2 * v], values[2 * v + 1], self._profile(values)
+        )
+
+    def _profile(self, values: list[float]) -> StepProfile | None:
+        v = self.virtual_nodes
+        base = self._profile_vns
+        owners = [int(values[base + vn]) - 1 for vn in range(v)]
+        workers = []
+        for rank in range(self.world_size):
+            at = self._profile_workers + _WORKER_FIELDS * rank
+            present, step, compute, exposed, optimizer, total = values[at : at + _WORKER_FIELDS]
+            if present != 1.0:
+                return None  # a worker new to the set has no previous step
+            vns = tuple(
+                VNProfile(
+                    vn,
+                    int(values[base + v + vn]),
+                    values[base + 2 * v + vn],
+                    values[base + 3 * v + vn],
+                )
+                for vn in range(v)
+                if owners[vn] == rank
+            )
+            workers.append(WorkerProfile(rank, int(step), vns, compute, exposed, optimizer, total))
+        return StepProfile(max(w.step for w in workers), tuple(workers))
+
+
+def local_totals(
+    losses: list[torch.Tensor], weights: list[float], items: list[torch.Tensor | float]
+) -> tuple[float, float, float]:
+    """(loss total, item total, invalid item counts) of a single worker's VNs, added in
+    VN order as ``decode`` adds them: the same bits as the statistics path."""
+    stacked = _stack_double(losses)
+    weighted = (
+        stacked * torch.tensor(weights, dtype=torch.float64, device=stacked.device)
+    ).tolist()
+    loss_total = 0.0
+    for value in weighted:
+        loss_total += value
+    items_total = 0.0
+    bad = 0.0
+    for value in items:
+        number = float(value)
+        items_total += number
+        if not number >= 0 or number == float("inf"):
+            bad += 1.0
+    return loss_total, items_total, bad
+
+
+def _stack_double(values: list[torch.Tensor]) -> torch.Tensor:
+    detached = [t.detach() for t in values]
+    if all(t.dtype == detached[0].dtype for t in detached):
+        return torch.stack(detached).double()
+    return torch.stack([t.double() for t in detached])

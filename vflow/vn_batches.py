@@ -1,0 +1,63 @@
+"""VN batches of a step: each VN's slice of the batch, made ready for ``loss_fn``.
+
+A ``VNBatchSource`` knows nothing of the executor: it is given the step's batch and
+this worker's VN slices and returns one job per VN, which the Prefetcher runs one VN
+ahead on its thread (Note [Prefetch], vflow/prefetch.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from vflow import rng
+from vflow.batching import Batch, batch_size, map_batch, slice_batch
+from vflow.plan import VNSlice
+from vflow.prefetch import VNTransform
+
+
+class VNBatchSource:
+    """Prepares VN batches: slicing, the deterministic-mode copy and ``vn_transform``.
+
+    ``copy``: give every VN a fresh, equally aligned copy of its slice. A VN's slice
+    starts at a different offset (and alignment) under different plans, and some CPU
+    kernels' summation order depends on the alignment of their input, so deterministic
+    mode needs it.
+    """
+
+    def __init__(self, copy: bool, transform: VNTransform | None) -> None:
+        self.copy = copy
+        self.transform = transform
+
+    @property
+    def needs_work(self) -> bool:
+        """Whether preparing a VN does more than slicing (worth a thread hand-off)."""
+        return self.copy or self.transform is not None
+
+    def jobs(
+        self, batch: Batch, slices: list[VNSlice], seed: int, step: int
+    ) -> list[Callable[[], Batch]]:
+        """One job per VN; its transform draws from (seed, step, VN)'s generator."""
+        return [
+            functools.partial(self.prepare, batch, start, size, vn, seed, step)
+            for vn, start, size in slices
+        ]
+
+    def prepare(self, batch: Batch, start: int, size: int, vn: int, seed: int, step: int) -> Batch:
+        """VN ``vn``'s batch, ready for loss_fn except for the move to the GPU."""
+        vn_batch = slice_batch(batch, start, start + size)
+        if self.copy:
+            vn_batch = map_batch(vn_batch, lambda t: t.clone(memory_format=torch.contiguous_format))
+        if self.transform is not None:
+            generator = torch.Generator().manual_seed(rng.vn_seed(seed, step, vn, rng.DATA_STREAM))
+            vn_batch = self.transform(vn_batch, generator)
+            got = batch_size(vn_batch)
+            if got != size:
+                # The VN's loss weight and the step's item count come from its size.
+                raise ValueError(
+                    f"vn_transform returned a batch of {got} samples for virtual node {vn}, "
+                    f"which has {size}; it must keep the number of samples"
+                )
+        return vn_batch
