@@ -12,7 +12,7 @@ it, one after another.
 * vflow deterministic (ordered): the same executor (same V, plan, buckets, seed) with
   ``deterministic=True``, i.e. ``"ordered"``: gradients are added in float32 in one
   binary tree over the V VN indices that depends on V alone (vflow/tree.py, Note
-  [Ordered sum] in csrc/reducer.h), so training is bitwise identical for any mapping of
+  [Ordered sum] in csrc/reduction/ordered.cpp), so training is bitwise identical for any mapping of
   the VNs onto workers and any backend. No all-reduce carries gradients (its summation
   order is the backend's). A rank ends its VNs holding its partial sums (its cover of
   the tree; C = 1 partial with the default aligned plan), each bucket is cut into W
@@ -29,7 +29,7 @@ it, one after another.
   are summed exactly in integers and rounded to float32 once. When a bucket is complete
   in the last VN's backward, its int8 top bins are all-reduced with MAX (waited for
   there), the integers packed, and the int64 packed sums' SUM all-reduce started
-  asynchronously (Note [Exact buckets] in csrc/reducer.h): 1 + 8 = 9 bytes per element
+  asynchronously (Note [Exact buckets] in csrc/reduction/exact_sum.cpp): 1 + 8 = 9 bytes per element
   on the wire. Its ratio to vflow is printed for information (no target).
 * DDP: ``DistributedDataParallel(model, gradient_as_bucket_view=True, bucket_cap_mb=25)``;
   each rank runs its VN slices as microbatches, all but the last under ``no_sync()``,
@@ -51,22 +51,16 @@ of the per-step ratio on the same batch (vflow / DDP, each deterministic kind / 
 and / DDP).
 
 Overlap, per method (medians over repetitions), each against a standalone run of its
-communication pattern with no compute running:
+communication pattern with no compute running. For the executors that run is their own
+Reducer's reduction of their own (zeroed) buckets, ``Reducer.reduce_as_is``: the same
+C++ path a step takes, without folding and without backward around it.
 
-* float32 all-reduce (vflow, DDP): the gradient's bytes all-reduced in vflow's bucket
-  layout (``Reducer.bucket_ranges()``: async all-reduces of the same slices of a scratch
-  copy of the flat buffer, then wait). DDP's buckets hold the same bytes (vflow only
-  adds 64-byte alignment padding).
-* ordered: the ordered executor's buckets as float32 scratch tensors, exchanged with
-  ``isend``/``irecv`` in its reducer's order: every bucket's phase 1 started first (each
-  partial's shard r sent to rank r, the other ranks' partials of the own shard
-  received), then bucket by bucket its phase 1 waited for, the partials of the own shard
-  added in tree order (the combine) and its phase 2 started (the own shard sent to every
-  other rank, theirs received into the bucket), then every phase 2 waited for. Tags
-  differ per bucket, partial and phase.
-* exact: the exact executor's buckets as int8 (MAX) then int64 (SUM) scratch tensors:
-  every bucket's MAX started, then bucket by bucket its MAX waited for and its SUM
-  started, then all SUMs waited for (the reducer's order, without the packing between).
+* vflow: the float32 SUM all-reduce of every bucket. DDP's buckets hold the same bytes
+  (vflow only adds 64-byte alignment padding), so it serves as DDP's standalone too.
+* ordered: phase 1 of every bucket started, then bucket by bucket its combine and phase
+  2, then every phase 2 waited for (Note [Ordered sum]).
+* exact: every bucket's MAX of the top bins, the packing against the global top bins
+  and the int64 SUM, then the unpacking (Note [Exact buckets]).
 * exposed for the executors = ``StepResult.timings.reduce_wait``, the host time spent
   blocked on gradient communication after backward returned. vflow: the wait for its
   bucket all-reduces. Ordered: the waits for phase 1, the combine's adds and phase 2,
@@ -151,7 +145,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import vflow
 from vflow import tree
-from vflow.distributed import Collectives, use_loopback_for_gloo
+from vflow.distributed import World, use_loopback_for_gloo
+from vflow.step_stats import StatsLayout
 
 WORLD_SIZE = 2
 HOST = "127.0.0.1"
@@ -168,9 +163,6 @@ LABELS = {
     "det": "vflow deterministic (ordered)",
     "exact": "vflow deterministic (exact)",
 }
-# Point-to-point tags of the standalone ordered pattern, (bucket * levels + partial) * 2
-# + phase as in the reducer: no two transfers in flight between two ranks share a tag.
-TAG_LEVELS = 64
 # How long a terminated rank gets to exit before it is killed outright.
 GRACE_S = 5.0
 
@@ -218,18 +210,6 @@ def balanced_orders(methods: Sequence[str]) -> list[tuple[str, ...]]:
     return [tuple(methods[(row + c) % n] for c in offsets) for row in range(n)]
 
 
-def tag_of(bucket: int, partial: int, phase: int) -> int:
-    return (bucket * TAG_LEVELS + partial) * 2 + phase
-
-
-def transfer(tensor: torch.Tensor, peer: int, tag: int, *, send: bool) -> dist.Work:
-    """Starts a point-to-point send or receive on the default group."""
-    work = (dist.isend if send else dist.irecv)(tensor, peer, tag=tag)
-    if work is None:  # only for a rank outside the group, which no rank here is
-        raise RuntimeError(f"rank {dist.get_rank()} is not in the default group")
-    return work
-
-
 @dataclass
 class RankSeries:
     """One rank's measurements, one entry per timed repetition."""
@@ -269,15 +249,6 @@ class RankSeries:
     exact_allreduce: list[float] = field(default_factory=list)
 
 
-@dataclass
-class OrderedBucket:
-    """Scratch tensors of one bucket for the standalone ordered pattern."""
-
-    levels: list[torch.Tensor]  # this rank's partial sums; levels[0] receives the result
-    received: dict[int, list[torch.Tensor]]  # peer -> its partials of this rank's shard
-    bounds: list[int]  # shard r is [bounds[r], bounds[r + 1])
-
-
 class Bench:
     """The methods on this rank, with their models, optimizers and batches."""
 
@@ -315,49 +286,17 @@ class Bench:
             for _ in range(cfg.warmup + cfg.reps)
         ]
 
-        # Scratch tensors, so that the standalone patterns neither change the gradients
-        # nor sum the same values up to overflow rep after rep (all are zeros).
-        scratch = [torch.zeros_like(g.buffer.data) for g in self.ex._grads.groups]
-        ranges = self.ex._grads.reducer.bucket_ranges()
-        self.bucket_slices = [scratch[r.buffer].narrow(0, r.offset, r.numel) for r in ranges]
-        self.bucket_mb = [s.numel() * s.element_size() / 2**20 for s in self.bucket_slices]
-        self._init_ordered_scratch()
-        # The exact executor's buckets in its wire format: int8 top bins (MAX) and int64
-        # packed sums (SUM).
-        self.exact_bucket_slices = [
-            (torch.zeros(r.numel, dtype=torch.int8), torch.zeros(r.numel, dtype=torch.int64))
-            for r in self.ex_e._grads.reducer.bucket_ranges()
+        ranges = self.ex.reducer.bucket_ranges()
+        self.bucket_mb = [
+            r.numel * self.ex.grad_buffers[r.buffer].data.element_size() / 2**20 for r in ranges
         ]
-
-    def _init_ordered_scratch(self) -> None:
-        # The tree schedule of the plan (as the ordered executor derives it): how many
-        # partial sums each rank contributes and the combine's merges, so the standalone
-        # moves and adds what the reducer does for any V, not only aligned plans.
-        plan, v = self.ex_o.plan, self.cfg.virtual_nodes
-        schedule = tree.schedule(
-            [(plan.vns(w).start, plan.vns(w).stop) for w in range(WORLD_SIZE)], self.rank, v
-        )
-        self.cover_counts = schedule.cover_counts
-        self.combine_merges = schedule.combine_merges
-        self.ordered_buckets: list[OrderedBucket] = []
-        for r in self.ex_o._grads.reducer.bucket_ranges():
-            # The reducer's shards: shard p of a bucket of n elements starts at n * p / W.
-            bounds = [r.numel * p // WORLD_SIZE for p in range(WORLD_SIZE + 1)]
-            own = bounds[self.rank + 1] - bounds[self.rank]
-            self.ordered_buckets.append(
-                OrderedBucket(
-                    levels=[
-                        torch.zeros(r.numel, dtype=torch.float32)
-                        for _ in range(self.cover_counts[self.rank])
-                    ],
-                    received={
-                        peer: [torch.zeros(own) for _ in range(self.cover_counts[peer])]
-                        for peer in range(WORLD_SIZE)
-                        if peer != self.rank
-                    },
-                    bounds=bounds,
-                )
-            )
+        self._standalone_steps = 0
+        plan = self.ex_o.plan
+        self.cover_counts = tree.schedule(
+            [(plan.vns(w).start, plan.vns(w).stop) for w in range(WORLD_SIZE)],
+            rank,
+            cfg.virtual_nodes,
+        ).cover_counts
 
     def _executor(self, model: nn.Module, *, deterministic: bool | str) -> vflow.Executor:
         return vflow.Executor(
@@ -374,11 +313,11 @@ class Bench:
         """Bytes each rank communicates per step: the buckets in their wire format (the
         ordered reducer's count follows the plan's tree, set by its first step) plus the
         step statistics (2V + 2 float64 values); DDP: fp32 gradients."""
-        stats_bytes = (2 * self.cfg.virtual_nodes + 2) * 8
+        stats_bytes = StatsLayout(self.cfg.virtual_nodes, WORLD_SIZE).numel * 8
         return {
-            "vflow": self.ex._grads.reducer.bytes_per_step + stats_bytes,
-            "deterministic": self.ex_o._grads.reducer.bytes_per_step + stats_bytes,
-            "exact": self.ex_e._grads.reducer.bytes_per_step + stats_bytes,
+            "vflow": self.ex.reducer.bytes_per_step + stats_bytes,
+            "deterministic": self.ex_o.reducer.bytes_per_step + stats_bytes,
+            "exact": self.ex_e.reducer.bytes_per_step + stats_bytes,
             "ddp": 4 * sum(p.numel() for p in self.ddp.parameters() if p.requires_grad),
         }
 
@@ -459,93 +398,32 @@ class Bench:
             series.ddp_optimizer.append(end - t_opt)
         return value
 
-    def standalone_allreduce(self, series: RankSeries | None) -> None:
+    def _standalone(self, ex: vflow.Executor) -> float:
+        """One step's reduction of ``ex``'s buffers through its own Reducer, with no
+        compute around it (``Reducer.reduce_as_is``). The buffers are zeroed first, so
+        that repeated runs sum zeros; the next step overwrites them anyway (Note [First
+        fold overwrites])."""
+        for buffer in ex.grad_buffers:
+            buffer.zero_()
+        self._standalone_steps += 1
         t0 = time.perf_counter()
-        works = [dist.all_reduce(s, async_op=True) for s in self.bucket_slices]
-        for work in works:
-            work.wait()
+        ex.reducer.reduce_as_is(self._standalone_steps)
+        return time.perf_counter() - t0
+
+    def standalone_allreduce(self, series: RankSeries | None) -> None:
+        elapsed = self._standalone(self.ex)
         if series is not None:
-            series.allreduce.append(time.perf_counter() - t0)
-
-    def _ordered_phase1(self, index: int, bucket: OrderedBucket) -> list[dist.Work]:
-        # Per peer: receive its partials of this rank's shard, send it ours of its shard.
-        works: list[dist.Work] = []
-        for peer, slots in bucket.received.items():
-            for j, slot in enumerate(slots):
-                if slot.numel():
-                    works.append(transfer(slot, peer, tag_of(index, j, 0), send=False))
-            lo, hi = bucket.bounds[peer], bucket.bounds[peer + 1]
-            if hi > lo:
-                for j, level in enumerate(bucket.levels):
-                    works.append(transfer(level[lo:hi], peer, tag_of(index, j, 0), send=True))
-        return works
-
-    def _ordered_combine_and_phase2(self, index: int, bucket: OrderedBucket) -> list[dist.Work]:
-        lo, hi = bucket.bounds[self.rank], bucket.bounds[self.rank + 1]
-        # Every rank's partials of the own shard in VN order (rank order), pushed through
-        # the stack with the schedule's merges, as the reducer's combine does.
-        partials = [
-            p
-            for peer in range(WORLD_SIZE)
-            for p in (
-                [level[lo:hi] for level in bucket.levels]
-                if peer == self.rank
-                else bucket.received[peer]
-            )
-        ]
-        stack: list[torch.Tensor] = []
-        for partial, merges in zip(partials, self.combine_merges, strict=True):
-            stack.append(partial)
-            for _ in range(merges):
-                right = stack.pop()
-                stack[-1].add_(right)
-        result = bucket.levels[0][lo:hi]
-        if hi > lo and stack[0].data_ptr() != result.data_ptr():
-            result.copy_(stack[0])
-        works: list[dist.Work] = []
-        for peer in range(WORLD_SIZE):
-            if peer == self.rank:
-                continue
-            if hi > lo:
-                works.append(transfer(result, peer, tag_of(index, 0, 1), send=True))
-            peer_lo, peer_hi = bucket.bounds[peer], bucket.bounds[peer + 1]
-            if peer_hi > peer_lo:
-                theirs = bucket.levels[0][peer_lo:peer_hi]
-                works.append(transfer(theirs, peer, tag_of(index, 0, 1), send=False))
-        return works
+            series.allreduce.append(elapsed)
 
     def standalone_ordered(self, series: RankSeries | None) -> None:
-        # The ordered reducer's order: every bucket's phase 1 first (the reducer starts
-        # them during backward), then per bucket: wait, combine, start phase 2, so one
-        # bucket's phase 2 overlaps the next one's phase 1; then wait for every phase 2.
-        t0 = time.perf_counter()
-        phase1 = [self._ordered_phase1(b, bucket) for b, bucket in enumerate(self.ordered_buckets)]
-        phase2: list[dist.Work] = []
-        for b, (bucket, works) in enumerate(zip(self.ordered_buckets, phase1, strict=True)):
-            for work in works:
-                work.wait()
-            phase2 += self._ordered_combine_and_phase2(b, bucket)
-        for work in phase2:
-            work.wait()
+        elapsed = self._standalone(self.ex_o)
         if series is not None:
-            series.det_comm.append(time.perf_counter() - t0)
+            series.det_comm.append(elapsed)
 
     def standalone_exact(self, series: RankSeries | None) -> None:
-        # The exact reducer's order: every bucket's MAX of the top bins, then in bucket
-        # order wait for its MAX and start its SUM (it packs in between).
-        t0 = time.perf_counter()
-        max_works = [
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, async_op=True)
-            for top, _ in self.exact_bucket_slices
-        ]
-        sum_works = []
-        for work, (_, wire) in zip(max_works, self.exact_bucket_slices, strict=True):
-            work.wait()
-            sum_works.append(dist.all_reduce(wire, async_op=True))
-        for work in sum_works:
-            work.wait()
+        elapsed = self._standalone(self.ex_e)
         if series is not None:
-            series.exact_allreduce.append(time.perf_counter() - t0)
+            series.exact_allreduce.append(elapsed)
 
     def max_param_diffs(self) -> dict[str, float]:
         """Largest parameter differences between the methods' models: relative (max
@@ -578,10 +456,8 @@ class Bench:
         # vflow's collectives, not dist's: this is the run's last collective, and a
         # Gloo Work still holding a Python tensor at exit can abort the rank (Note
         # [Collectives on tensors Python cannot see] in csrc/collectives.h).
-        collectives = Collectives(
-            dist.group.WORLD, timedelta(seconds=self.cfg.collective_timeout_s)
-        )
-        collectives.broadcast_from_first([reference], "broadcast of rank 0's parameters", None)
+        collectives = World(dist.group.WORLD, timedelta(seconds=self.cfg.collective_timeout_s))
+        collectives.broadcast_from(0, [reference], "broadcast of rank 0's parameters", None)
         count = torch.tensor([int((bits != reference).sum())], dtype=torch.int64)
         collectives.sum([count], "sum of mismatched parameter elements", None)
         return int(count)

@@ -131,7 +131,7 @@ class HandLoop:
         # vflow's step returns the loss as a float too; reading it is part of the step.
         value = loss_sum.item()
         end = clock.mark()
-        clock.finish()
+        clock.finish(end)
         return value, {
             "forward_backward": clock.seconds(start, backward_end),
             "optimizer": clock.seconds(backward_end, end),

@@ -102,8 +102,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("buffers", &vflow::GradStore::buffers)
       .def_property_readonly("num_params", &vflow::GradStore::num_params)
       .def("set_sink", &vflow::GradStore::set_sink, py::arg("sink"))
-      .def("set_capturing", &vflow::GradStore::set_capturing, py::arg("on"))
-      .def_property_readonly("capturing", &vflow::GradStore::capturing)
       .def("detach_grads", &vflow::GradStore::detach_grads)
       .def("publish", &vflow::GradStore::publish)
       .def("remove_hooks", &vflow::GradStore::remove_hooks);

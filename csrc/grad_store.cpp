@@ -101,12 +101,13 @@ void GradStore::remove_hooks() {
 }
 
 void GradStore::set_sink(std::shared_ptr<GradSink> sink) {
-  TORCH_CHECK(!capturing(), "GradStore::set_sink called while capturing gradients");
+  TORCH_CHECK(!sink_ || !sink_->accepts(), "GradStore::set_sink called while the current "
+              "sink takes gradients");
   sink_ = std::move(sink);
 }
 
 void GradStore::on_gradient(int64_t buffer, int64_t slot) {
-  if (!capturing()) {
+  if (!sink_ || !sink_->accepts()) {
     return;
   }
   at::Tensor& grad = params_[param_index_[buffer][slot]].tensor.mutable_grad();
@@ -115,9 +116,7 @@ void GradStore::on_gradient(int64_t buffer, int64_t slot) {
   }
   at::Tensor taken = std::move(grad);
   grad.reset();
-  if (sink_) {
-    sink_->receive_grad(buffer, slot, taken);
-  }
+  sink_->receive_grad(buffer, slot, taken);
 }
 
 void GradStore::detach_grads() {

@@ -16,15 +16,15 @@
 // the parameter's AccumulateGrad node (the mechanism PyTorch DDP's reducer uses)
 // takes it away again and gives it to the sink. The hook is C++ and runs on
 // autograd's thread without the GIL: a Python hook per parameter and VN cost more
-// than the fold itself for small models. Outside vflow's backward (capturing off) the
-// hook does nothing, so a backward the user runs keeps PyTorch's semantics.
+// than the fold itself for small models. The sink says when it takes gradients (the
+// Reducer: between a VN's begin_vn and end_vn); at any other time the hook does
+// nothing, so a backward the user runs outside vflow keeps PyTorch's semantics.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -34,11 +34,13 @@
 
 namespace vflow {
 
-// Receives the gradients the store captures. `receive_grad` may be called from several
-// autograd threads (one per device) at once.
+// Receives the gradients the store captures. `accepts` and `receive_grad` may be called
+// from several autograd threads (one per device) at once.
 class GradSink {
  public:
   virtual ~GradSink() = default;
+  // Whether gradients are taken now (Note [Capturing gradients]).
+  virtual bool accepts() const = 0;
   virtual void receive_grad(int64_t buffer, int64_t slot, const at::Tensor& grad) = 0;
 };
 
@@ -60,15 +62,9 @@ class GradStore : public std::enable_shared_from_this<GradStore> {
   // Removes the hooks; gradients stay where they are. Idempotent.
   void remove_hooks();
 
-  // Where captured gradients go from now on (null: nowhere, they are dropped).
+  // Where captured gradients go (null: nowhere; gradients stay in `param.grad`). Set
+  // once, before the first backward.
   void set_sink(std::shared_ptr<GradSink> sink);
-  // While on, captured gradients are taken from `param.grad` and given to the sink.
-  void set_capturing(bool on) {
-    capturing_.store(on, std::memory_order_release);
-  }
-  bool capturing() const {
-    return capturing_.load(std::memory_order_acquire);
-  }
 
   // Sets `grad` of every managed parameter to undefined (before a step's backward).
   void detach_grads();
@@ -103,7 +99,6 @@ class GradStore : public std::enable_shared_from_this<GradStore> {
   // [buffer][slot] -> index into params_.
   std::vector<std::vector<int64_t>> param_index_;
   std::vector<std::pair<NodePtr, uintptr_t>> hooks_;
-  std::atomic<bool> capturing_{false};
   std::shared_ptr<GradSink> sink_;
 };
 

@@ -162,6 +162,7 @@ void Reducer::begin_vn(double weight, bool last, int64_t level, int64_t merges) 
     bucket.arrived = 0;
     bucket.vn_done = false;
   }
+  in_vn_.store(true, std::memory_order_release);
 }
 
 // See Note [First fold overwrites]: slots seen for the first time are overwritten, the
@@ -256,6 +257,7 @@ void Reducer::add_grad(int64_t bucket_index, int64_t slot, const at::Tensor& gra
 
 void Reducer::end_vn() {
   std::lock_guard<std::mutex> lock(mutex_);
+  in_vn_.store(false, std::memory_order_release);
   TORCH_CHECK(in_step_, "Reducer::end_vn called outside a step");
   for (auto& bucket : buckets_) {
     fold(bucket);
@@ -285,6 +287,7 @@ void Reducer::clear_pending() {
 
 void Reducer::abort_vn() {
   std::lock_guard<std::mutex> lock(mutex_);
+  in_vn_.store(false, std::memory_order_release);
   clear_pending();
 }
 
@@ -354,6 +357,7 @@ void Reducer::finalize(double factor, const std::vector<at::Tensor>& found_nonfi
 }
 
 void Reducer::end_step() {
+  in_vn_.store(false, std::memory_order_release);
   in_step_ = false;
   last_vn_ = false;
   reduction_->end_step();

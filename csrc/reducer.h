@@ -62,6 +62,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -142,7 +143,11 @@ class Reducer final : public GradSink {
   // that may go (Note [Launch order]). Thread-safe: autograd may call it from one
   // thread per device.
   void add_grad(int64_t bucket, int64_t slot, const at::Tensor& grad);
-  // GradSink: the gradient of slot `slot` of buffer `buffer`, from the GradStore's hooks.
+  // GradSink: gradients are taken between begin_vn and end_vn (or abort_vn); each is
+  // the gradient of slot `slot` of buffer `buffer`, from the GradStore's hooks.
+  bool accepts() const override {
+    return in_vn_.load(std::memory_order_acquire);
+  }
   void receive_grad(int64_t buffer, int64_t slot, const at::Tensor& grad) override;
 
   // Ends the current VN after its backward returned: folds what is waiting; after the
@@ -233,6 +238,7 @@ class Reducer final : public GradSink {
   double weight_ = 1.0;
   bool last_vn_ = false;
   bool in_step_ = false;
+  std::atomic<bool> in_vn_{false};
   size_t next_launch_ = 0;
   c10::intrusive_ptr<c10d::Work> stats_work_;
   at::Tensor stats_sum_;  // what stats_work_ reduces; never handed to Python

@@ -1,5 +1,5 @@
 """vflow.tree: the fixed summation tree of deterministic mode, and the ordered Reducer
-that follows it (Note [Ordered sum] in csrc/reducer.h) on one process.
+that follows it (Note [Ordered sum] in csrc/reduction/ordered.cpp) on one process.
 
 The reference is the tree sum written recursively in float32: node [lo, hi) is
 sum(left) + sum(right). Whatever the tiling of [0, V) into workers, every worker's

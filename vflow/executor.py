@@ -27,15 +27,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import logging
-import math
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from vflow import losses, membership, rng, training_state
+from vflow import membership, rng, training_state
 from vflow._checks import require_int
 from vflow.amp import LossScaler
 from vflow.batching import Batch, batch_size, concat_outputs, map_batch, slice_batch
@@ -45,10 +44,11 @@ from vflow.grad_store import GradStore, trainable_params
 from vflow.module_buffers import BufferRule
 from vflow.plan import Plan, VNSlice
 from vflow.prefetch import Prefetcher, VNTransform
-from vflow.profile import StepClock, StepProfile, VNProfile, WorkerProfile
+from vflow.profile import StepClock, StepProfile, WorkerProfile
 from vflow.reduction import for_kind
-from vflow.results import PhaseTimings, StepResult
-from vflow.step_stats import StatsLayout, local_totals
+from vflow.results import StepResult
+from vflow.step_run import StepRun, profiled
+from vflow.step_stats import StatsLayout
 from vflow.vn_batches import VNBatchSource
 
 LossFn = Callable[[torch.nn.Module, Batch], Any]
@@ -63,13 +63,6 @@ def _default_forward(model: torch.nn.Module, batch: Batch) -> Any:
     if isinstance(batch, dict):
         return model(**batch)
     return model(*batch)
-
-
-def _profiled(name: str) -> contextlib.AbstractContextManager:
-    """A ``torch.profiler`` range, only while a profiler runs (it costs µs otherwise)."""
-    if torch.autograd._profiler_enabled():
-        return torch.profiler.record_function(name)
-    return contextlib.nullcontext()
 
 
 class Executor:
@@ -208,7 +201,8 @@ class Executor:
             self.scaler = None if config.loss_scaling is None else LossScaler()
         self.step_count = 0
         self.skipped_steps = 0
-        self.last_profile: StepProfile | None = None
+        self._last_result: StepResult | None = None
+        self._gathered_profile: StepProfile | None = None
         self._device = params[0].device
         self._devices = sorted({p.device for p in params}, key=str)
         self._batches = VNBatchSource(bool(config.deterministic), vn_transform)
@@ -371,7 +365,8 @@ class Executor:
         self._plan = plan
         self._stats = StatsLayout(self.virtual_nodes, world.size)
         self._own_profile = None
-        self.last_profile = None
+        self._gathered_profile = None
+        self._last_result = None
 
     @staticmethod
     def _checked_plan(plan: Plan | None, virtual_nodes: int, world_size: int) -> Plan:
@@ -454,14 +449,16 @@ class Executor:
         slices, total = self._local_slices(batch, global_batch_size)
         clock = StepClock(self._device)
         start = clock.mark()
-        self._buffers.begin_step()
+        run = StepRun(self, slices, total, clock)
+        buffers = self._buffers if self._buffers.has_buffers else None
+        if buffers is not None:
+            buffers.begin_step()
         try:
-            with _profiled("vflow::step"), rng.preserved_rng(self._devices):
-                run = _StepRun(self, slices, total, clock)
-                run.vns(self._vn_batches(batch, slices))
+            with profiled("vflow::step", run.profiling), rng.preserved_rng(self._devices):
+                run.vns(self._vn_batches(batch, slices), self._autocast)
                 run.reduce()
-                if self._world.distributed and self._buffers.has_buffers:
-                    self._buffers.reduce(self._world, self.virtual_nodes, self.step_count)
+                if self._world.distributed and buffers is not None:
+                    buffers.reduce(self._world, self.virtual_nodes, self.step_count)
             if run.skipped:
                 self._grads.clear()
                 self.skipped_steps += 1
@@ -472,26 +469,39 @@ class Executor:
                 )
             else:
                 self._grads.publish()
-                with _profiled("vflow::optimizer"):
+                with profiled("vflow::optimizer", run.profiling):
                     self.optimizer.step()
         except BaseException:
-            self._buffers.abort()
+            if buffers is not None:
+                buffers.abort()
             self._grads.clear()
             raise
-        self._buffers.commit()
+        if buffers is not None:
+            buffers.commit()
         scale = None if self.scaler is None else self.scaler.scale
         if self.scaler is not None:
             self.scaler.update(run.skipped)
         end = clock.mark()
-        clock.finish()
+        clock.finish(end)
         result = run.result(start, end, scale)
-        self._own_profile = result.profile
-        if not self._world.distributed:
-            self.last_profile = StepProfile(self.step_count, (result.profile,))
-        elif run.gathered_profile is not None:
-            self.last_profile = run.gathered_profile
+        self._last_result = result
+        if self._world.distributed:
+            self._own_profile = result.profile  # sent with the next step's statistics
+            if run.gathered_profile is not None:
+                self._gathered_profile = run.gathered_profile
         self.step_count += 1
         return result
+
+    @property
+    def last_profile(self) -> StepProfile | None:
+        """Every worker's profile of the latest step that every rank holds (Note
+        [Profiles], vflow/profile.py): on several workers the step before the last,
+        on one process the last; None before there is one (and after a new worker set)."""
+        if self._world.distributed:
+            return self._gathered_profile
+        if self._last_result is None:
+            return None
+        return StepProfile(self._last_result.step, (self._last_result.profile,))
 
     def _vn_batches(self, batch: Batch, slices: list[VNSlice]) -> Iterator[Batch]:
         # Plain slicing is a few views: not worth a thread hand-off.
@@ -500,10 +510,12 @@ class Executor:
             self._batches.jobs(batch, slices, self.seed, self.step_count), background
         )
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    @property
+    def _autocast(self) -> Callable[[], contextlib.AbstractContextManager] | None:
+        """What ``loss_fn`` runs under: None, or a factory of the autocast context."""
         if self.config.amp is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self._device.type, dtype=self.config.amp_dtype)
+            return None
+        return functools.partial(torch.autocast, self._device.type, dtype=self.config.amp_dtype)
 
     # ---- inference ------------------------------------------------------------------
 
@@ -543,7 +555,7 @@ class Executor:
                 rng.seed_all(
                     rng.vn_seed(self.seed, self.step_count, vn, rng.INFER_STREAM), self._devices
                 )
-                with self._autocast():
+                with contextlib.nullcontext() if self._autocast is None else self._autocast():
                     outputs.append(forward(self.model, slice_batch(batch, start, start + size)))
         local = concat_outputs(outputs)
         if not self._world.distributed or not gather:
@@ -624,144 +636,3 @@ class Executor:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
-
-
-class _StepRun:
-    """One step on this worker: its VNs, then the reduction and the normalisation."""
-
-    def __init__(self, ex: Executor, slices: list[VNSlice], total: int, clock: StepClock) -> None:
-        self.ex = ex
-        self.slices = slices
-        self.total = total
-        self.clock = clock
-        self.scale = 1.0 if ex.scaler is None else ex.scaler.scale
-        self.kind: losses.LossKind | None = None
-        self.losses: list[torch.Tensor] = []
-        self.weights: list[float] = []
-        self.items: list[torch.Tensor | float] = []
-        self.marks: list[tuple[int, int, int, int, int, int]] = []  # vn, size, 4 marks
-        self.loss = math.nan
-        self.num_items: int | float = 0
-        self.skipped = False
-        self.grad_norm: float | None = None
-        self.stats_wait = 0.0
-        self.gathered_profile: StepProfile | None = None
-        self.after_vns = self.after_reduce = 0
-
-    def vns(self, vn_batches: Iterator[Batch]) -> None:
-        ex, clock, grads = self.ex, self.clock, self.ex._grads
-        grads.begin_step(ex.step_count)
-        last_position = len(self.slices) - 1
-        with contextlib.closing(vn_batches):  # an error waits for the batch in flight
-            for position, ((vn, _, size), vn_batch) in enumerate(
-                zip(self.slices, vn_batches, strict=True)
-            ):
-                rng.seed_all(rng.vn_seed(ex.seed, ex.step_count, vn), ex._devices)
-                forward_start = clock.mark()
-                with _profiled("vflow::forward"), ex._autocast():
-                    out = ex.loss_fn(ex.model, vn_batch)
-                forward_end = clock.mark()
-                parsed = losses.parse(out, vn)
-                if self.kind is None:
-                    self.kind = parsed.kind
-                else:
-                    losses.check_same_kind(parsed.kind, self.kind, vn, self.slices[0].vn)
-                # Mean losses are weighted by VN size / B here; summed losses are added
-                # as they are and divided by the global item count after the last VN.
-                weight = size / self.total if self.kind == "mean" else 1.0
-                self.losses.append(parsed.loss)
-                self.weights.append(weight)
-                self.items.append(parsed.items)
-                last = position == last_position
-                if last and ex._world.distributed:
-                    grads.reducer.start_stats(
-                        ex._stats.encode(
-                            [s.vn for s in self.slices],
-                            self.losses,
-                            self.weights,
-                            self.kind,
-                            self.items,
-                            ex._own_profile,
-                            ex._world.device,
-                        )
-                    )
-                loss = parsed.loss
-                if self.scale != 1.0:
-                    loss = loss.float() * self.scale
-                backward_start = clock.mark()
-                with _profiled("vflow::backward"):
-                    grads.backward(loss, weight, last, grads.reduction.placement(position))
-                self.marks.append(
-                    (vn, size, forward_start, forward_end, backward_start, clock.mark())
-                )
-                ex._buffers.end_vn(vn)
-        self.after_vns = clock.mark()
-
-    def reduce(self) -> None:
-        ex, grads = self.ex, self.ex._grads
-        waited = time.perf_counter()
-        if ex._world.distributed:
-            stats = ex._stats.decode(grads.reducer.wait_stats())
-            loss_total, items_total = stats.loss_total, stats.items_total
-            sum_workers, bad_items = stats.sum_workers, stats.bad_items
-            self.gathered_profile = stats.profile
-        else:
-            loss_total, items_total, bad_items = local_totals(self.losses, self.weights, self.items)
-            sum_workers = 1.0 if self.kind == "sum" else 0.0
-        self.stats_wait = time.perf_counter() - waited
-        losses.check_worker_kinds(sum_workers, ex.world_size)
-        if bad_items:
-            losses.raise_bad_items([s.vn for s in self.slices], self.items, bad_items)
-        factor = 1.0 / self.scale
-        if self.kind == "mean":
-            self.num_items = self.total
-            self.loss = loss_total
-        else:
-            losses.check_item_total(items_total)
-            self.num_items = items_total
-            factor /= items_total
-            self.loss = loss_total / items_total
-        found = grads.finish(factor, ex.skip_nonfinite or bool(ex.deterministic))
-        if ex.deterministic and not ex.skip_nonfinite and found:
-            raise FloatingPointError(
-                f"vflow step {ex.step_count}: a gradient of the global batch is inf or NaN, "
-                "or its sum does not fit float32 (deterministic mode never hands such a sum "
-                "to the optimizer); nothing was changed. Pass skip_nonfinite=True to skip "
-                "such steps instead"
-            )
-        if ex.max_grad_norm is not None and not found:
-            self.grad_norm = grads.clip_grad_norm_(ex.max_grad_norm)
-        self.skipped = found
-        self.after_reduce = self.clock.mark()
-
-    def result(self, start: int, end: int, loss_scale: float | None) -> StepResult:
-        ex, seconds = self.ex, self.clock.seconds
-        vns = tuple(
-            VNProfile(vn, size, seconds(a, b), seconds(c, d)) for vn, size, a, b, c, d in self.marks
-        )
-        wait = ex._grads.last_wait_seconds
-        profile = WorkerProfile(
-            rank=ex.rank,
-            step=ex.step_count,
-            vns=vns,
-            compute_s=sum(v.forward_s + v.backward_s for v in vns),
-            exposed_comm_s=self.stats_wait + wait,
-            optimizer_s=seconds(self.after_reduce, end),
-            step_s=seconds(start, end),
-        )
-        timings = PhaseTimings(
-            seconds(start, self.after_vns),
-            seconds(self.after_vns, self.after_reduce),
-            seconds(self.after_reduce, end),
-            wait,
-        )
-        return StepResult(
-            loss=self.loss,
-            num_items=self.num_items,
-            step=ex.step_count,
-            skipped=self.skipped,
-            loss_scale=loss_scale,
-            grad_norm=self.grad_norm,
-            timings=timings,
-            profile=profile,
-        )

@@ -173,15 +173,13 @@ class GradStore:
         """Runs ``loss.backward()`` and adds ``weight`` x its gradients to the buffers.
         With ``last`` (this worker's last VN of the step) the buckets' reductions start
         while backward runs."""
+        # The reducer takes gradients from begin_vn to end_vn (Note [Capturing gradients]).
         self.reducer.begin_vn(weight, last, placement.level, placement.merges)
-        self.native.set_capturing(True)
         try:
             loss.backward()
         except BaseException:
             self.reducer.abort_vn()
             raise
-        finally:
-            self.native.set_capturing(False)
         self.reducer.end_vn()
 
     def finish(self, factor: float, check_nonfinite: bool) -> bool:

@@ -58,7 +58,7 @@ class Plan:
     Give exactly one of the two.
     """
 
-    __slots__ = ("_counts", "_sizes")
+    __slots__ = ("_counts", "_sizes", "_slices")
 
     def __init__(
         self,
@@ -69,6 +69,8 @@ class Plan:
         if (counts is None) == (sizes is None):
             raise ValueError("Plan needs exactly one of counts=[...] or sizes=[[...], ...]")
         self._sizes: tuple[tuple[int, ...], ...] | None
+        # batch size -> its VN slices: a step asks for the same ones every time.
+        self._slices: dict[int, tuple[VNSlice, ...]] = {}
         if sizes is not None:
             if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or not sizes:
                 raise ValueError(
@@ -142,14 +144,25 @@ class Plan:
 
     def slices(self, batch_size: int) -> list[VNSlice]:
         """Every VN of a global batch of ``batch_size`` samples, in VN order."""
-        sizes = self.vn_sizes(batch_size)
-        starts = itertools.accumulate(sizes[:-1], initial=0)
-        return [VNSlice(i, start, size) for i, (start, size) in enumerate(zip(starts, sizes))]
+        return list(self._cached_slices(batch_size))
+
+    def _cached_slices(self, batch_size: int) -> tuple[VNSlice, ...]:
+        cached = self._slices.get(batch_size)
+        if cached is None:
+            sizes = self.vn_sizes(batch_size)
+            starts = itertools.accumulate(sizes[:-1], initial=0)
+            cached = tuple(
+                VNSlice(i, start, size) for i, (start, size) in enumerate(zip(starts, sizes))
+            )
+            if len(self._slices) >= 8:  # a few sizes recur (e.g. a short last batch)
+                self._slices.clear()
+            self._slices[batch_size] = cached
+        return cached
 
     def worker_slices(self, worker: int, batch_size: int) -> list[VNSlice]:
         """The VNs ``worker`` runs, with their positions in the global batch."""
         vns = self.vns(worker)
-        return self.slices(batch_size)[vns.start : vns.stop]
+        return list(self._cached_slices(batch_size)[vns.start : vns.stop])
 
     def worker_range(self, worker: int, batch_size: int) -> tuple[int, int]:
         """[start, stop) of ``worker``'s samples in a global batch of ``batch_size``."""

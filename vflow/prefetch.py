@@ -61,6 +61,7 @@ class Prefetcher:
     def __init__(self, device: torch.device, enabled: bool = True) -> None:
         self.device = device
         self.enabled = enabled
+        self._cuda = device.type == "cuda"
         self._pool: ThreadPoolExecutor | None = None
         self._finalizer: weakref.finalize | None = None
         self._side_stream: torch.cuda.Stream | None = None
@@ -76,7 +77,7 @@ class Prefetcher:
 
     def needs_transfer(self, batch: Batch) -> bool:
         """Whether some tensor of ``batch`` must be copied to the model's GPU."""
-        if self.device.type != "cuda":
+        if not self._cuda:
             return False
         return any(t.device.type == "cpu" for _, t in _leaves(batch, "batch"))
 
@@ -92,7 +93,7 @@ class Prefetcher:
             return
         if not (self.enabled and background):
             for job in jobs:
-                yield self._consume(self._stage(job))
+                yield job() if not self._cuda else self._consume(self._stage(job))
             return
         pool = self._thread_pool()
         pending: Future[_Staged] | None = pool.submit(self._stage, jobs[0])

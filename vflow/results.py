@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from vflow.profile import WorkerProfile
 
@@ -38,7 +40,7 @@ class StepResult:
     grad_norm: the global gradient 2-norm before clipping, when max_grad_norm is set.
     timings: the step's phases on this worker.
     profile: this worker's per-VN forward and backward times, compute and exposed
-      communication (Note [Profiles] in vflow/profile.py).
+      communication (Note [Profiles] in vflow/profile.py); built when first read.
     """
 
     loss: float
@@ -48,4 +50,8 @@ class StepResult:
     loss_scale: float | None
     grad_norm: float | None
     timings: PhaseTimings
-    profile: WorkerProfile
+    make_profile: Callable[[], WorkerProfile] = field(repr=False, compare=False)
+
+    @functools.cached_property
+    def profile(self) -> WorkerProfile:
+        return self.make_profile()

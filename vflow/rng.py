@@ -31,10 +31,22 @@ def _splitmix64(x: int) -> int:
 
 def vn_seed(seed: int, step: int, vn: int, stream: int = TRAIN_STREAM) -> int:
     """A 63-bit seed for (seed, step, vn, stream); well mixed, stable across releases."""
-    x = _splitmix64(seed & _MASK64)
-    for part in (step, vn, stream):
-        x = _splitmix64(x ^ (part & _MASK64))
-    return x >> 1
+    return vn_seeds(seed, step, [vn], stream)[0]
+
+
+def vn_seeds(seed: int, step: int, vns: list[int], stream: int = TRAIN_STREAM) -> list[int]:
+    """``vn_seed`` of every VN in ``vns``, mixing (seed, step) once."""
+    prefix = _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
+    return [
+        _splitmix64(_splitmix64(prefix ^ (vn & _MASK64)) ^ (stream & _MASK64)) >> 1 for vn in vns
+    ]
+
+
+def generators(devices: list[torch.device]) -> list[torch.Generator]:
+    """The CPU generator and the default generators of the given CUDA devices: what a
+    VN's random draws come from."""
+    indices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+    return [torch.default_generator] + [torch.cuda.default_generators[i] for i in indices]
 
 
 def seed_all(value: int, devices: list[torch.device]) -> None:
@@ -43,15 +55,18 @@ def seed_all(value: int, devices: list[torch.device]) -> None:
     torch.manual_seed would also queue a lazy seeding of every CUDA device, which
     records a Python traceback each time: milliseconds per VN on a small model.
     """
-    torch.default_generator.manual_seed(value)
-    for device in devices:
-        if device.type == "cuda":
-            torch.cuda.default_generators[device.index or 0].manual_seed(value)
+    for generator in generators(devices):
+        generator.manual_seed(value)
 
 
 @contextlib.contextmanager
 def preserved_rng(devices: list[torch.device]) -> Iterator[None]:
-    """Restores the CPU and the given CUDA devices' RNG states on exit."""
-    cuda_indices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
-    with torch.random.fork_rng(devices=cuda_indices):
+    """Restores the CPU and the given CUDA devices' RNG states on exit (what
+    torch.random.fork_rng does, without its per-call device bookkeeping)."""
+    saved = generators(devices)
+    states = [g.get_state() for g in saved]
+    try:
         yield
+    finally:
+        for generator, state in zip(saved, states, strict=True):
+            generator.set_state(state)

@@ -21,6 +21,7 @@ of the plan (and bitwise so in deterministic mode).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -144,20 +145,22 @@ def local_totals(
     losses: list[torch.Tensor], weights: list[float], items: list[torch.Tensor | float]
 ) -> tuple[float, float, float]:
     """(loss total, item total, invalid item counts) of a single worker's VNs, added in
-    VN order as ``decode`` adds them: the same bits as the statistics path."""
-    stacked = _stack_double(losses)
-    weighted = (
-        stacked * torch.tensor(weights, dtype=torch.float64, device=stacked.device)
-    ).tolist()
+    VN order as ``decode`` adds them. The products are float64 (Python floats) of the
+    same operands as ``encode``'s, so the bits are those of the statistics path."""
+    detached = [t.detach() for t in losses]
+    if all(t.dtype == detached[0].dtype for t in detached):
+        values = torch.stack(detached).tolist()
+    else:
+        values = [float(t) for t in detached]
     loss_total = 0.0
-    for value in weighted:
-        loss_total += value
+    for value, weight in zip(values, weights, strict=True):
+        loss_total += value * weight
     items_total = 0.0
     bad = 0.0
     for value in items:
         number = float(value)
         items_total += number
-        if not number >= 0 or number == float("inf"):
+        if not number >= 0 or number == math.inf:
             bad += 1.0
     return loss_total, items_total, bad
 

@@ -1,4 +1,5 @@
-"""The fixed summation tree of deterministic mode (Note [Ordered sum] in csrc/reducer.h).
+"""The fixed summation tree of deterministic mode (Note [Ordered sum] in
+csrc/reduction/ordered.cpp).
 
 The gradients of the V virtual nodes are added in one binary tree that depends on V
 alone: node [lo, hi) is the float32 sum of its two children [lo, mid) and [mid, hi),

@@ -1,0 +1,190 @@
+"""One training step on this worker: its VNs one after another, then the reduction and
+the global normalisation. The Executor sets it up and commits or rolls back around it.
+
+This loop runs once per VN, so it is written for a small per-VN cost: everything that
+does not change within a step is looked up once, and optional work (profiler ranges,
+module buffers, loss scaling, autocast) costs nothing when it is off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.profiler import record_function
+
+from vflow import losses, rng
+from vflow.batching import Batch
+from vflow.plan import VNSlice
+from vflow.profile import StepClock, StepProfile, VNProfile, WorkerProfile
+from vflow.results import PhaseTimings, StepResult
+from vflow.step_stats import local_totals
+
+if TYPE_CHECKING:
+    from vflow.executor import Executor
+
+
+_NO_RANGE = contextlib.nullcontext()
+
+
+def profiled(name: str, on: bool) -> contextlib.AbstractContextManager:
+    """A ``torch.profiler`` range when ``on`` (a profiler runs); nothing otherwise, since
+    the range costs several µs even without a profiler."""
+    return torch.profiler.record_function(name) if on else _NO_RANGE
+
+
+class StepRun:
+    """The VN loop (``vns``), then ``reduce``; ``result`` once the step is committed."""
+
+    def __init__(self, ex: Executor, slices: list[VNSlice], total: int, clock: StepClock) -> None:
+        self.ex = ex
+        self.slices = slices
+        self.total = total
+        self.clock = clock
+        self.scale = 1.0 if ex.scaler is None else ex.scaler.scale
+        self.kind: losses.LossKind | None = None
+        self.losses: list[torch.Tensor] = []
+        self.weights: list[float] = []
+        self.items: list[torch.Tensor | float] = []
+        self.marks: list[tuple[int, int, Any, Any, Any, Any]] = []  # vn, size, 4 points
+        self.loss = math.nan
+        self.num_items: int | float = 0
+        self.skipped = False
+        self.grad_norm: float | None = None
+        self.stats_wait = 0.0
+        self.gathered_profile: StepProfile | None = None
+        self.after_vns: Any = None
+        self.after_reduce: Any = None
+        self.profiling = torch.autograd._profiler_enabled()
+
+    def vns(self, vn_batches: Iterator[Batch], autocast: Callable[[], Any] | None) -> None:
+        ex, clock, grads = self.ex, self.clock, self.ex._grads
+        reducer, placement = grads.reducer, grads.reduction.placement
+        loss_fn, model, profiling = ex.loss_fn, ex.model, self.profiling
+        generators = rng.generators(ex._devices)
+        module_buffers = ex._buffers if ex._buffers.has_buffers else None
+        distributed = ex._world.distributed
+        seeds = rng.vn_seeds(ex.seed, ex.step_count, [s.vn for s in self.slices])
+        grads.begin_step(ex.step_count)
+        last_position = len(self.slices) - 1
+        with contextlib.closing(vn_batches):  # an error waits for the batch in flight
+            for position, ((vn, _, size), vn_batch) in enumerate(
+                zip(self.slices, vn_batches, strict=True)
+            ):
+                for generator in generators:
+                    generator.manual_seed(seeds[position])
+                forward_start = clock.mark()
+                with record_function("vflow::forward") if profiling else _NO_RANGE:
+                    if autocast is None:
+                        out = loss_fn(model, vn_batch)
+                    else:
+                        with autocast():
+                            out = loss_fn(model, vn_batch)
+                forward_end = clock.mark()
+                parsed = losses.parse(out, vn)
+                if self.kind is None:
+                    self.kind = parsed.kind
+                elif parsed.kind != self.kind:
+                    losses.check_same_kind(parsed.kind, self.kind, vn, self.slices[0].vn)
+                # Mean losses are weighted by VN size / B here; summed losses are added
+                # as they are and divided by the global item count after the last VN.
+                weight = size / self.total if self.kind == "mean" else 1.0
+                self.losses.append(parsed.loss)
+                self.weights.append(weight)
+                self.items.append(parsed.items)
+                last = position == last_position
+                if last and distributed:
+                    reducer.start_stats(
+                        ex._stats.encode(
+                            [s.vn for s in self.slices],
+                            self.losses,
+                            self.weights,
+                            self.kind,
+                            self.items,
+                            ex._own_profile,
+                            ex._world.device,
+                        )
+                    )
+                loss = parsed.loss if self.scale == 1.0 else parsed.loss.float() * self.scale
+                backward_start = clock.mark()
+                with record_function("vflow::backward") if profiling else _NO_RANGE:
+                    grads.backward(loss, weight, last, placement(position))
+                self.marks.append(
+                    (vn, size, forward_start, forward_end, backward_start, clock.mark())
+                )
+                if module_buffers is not None:
+                    module_buffers.end_vn(vn)
+        self.after_vns = clock.mark()
+
+    def reduce(self) -> None:
+        ex, grads = self.ex, self.ex._grads
+        waited = time.perf_counter()
+        if ex._world.distributed:
+            stats = ex._stats.decode(grads.reducer.wait_stats())
+            loss_total, items_total = stats.loss_total, stats.items_total
+            sum_workers, bad_items = stats.sum_workers, stats.bad_items
+            self.gathered_profile = stats.profile
+        else:
+            loss_total, items_total, bad_items = local_totals(self.losses, self.weights, self.items)
+            sum_workers = 1.0 if self.kind == "sum" else 0.0
+        self.stats_wait = time.perf_counter() - waited
+        losses.check_worker_kinds(sum_workers, ex.world_size)
+        if bad_items:
+            losses.raise_bad_items([s.vn for s in self.slices], self.items, bad_items)
+        factor = 1.0 / self.scale
+        if self.kind == "mean":
+            self.num_items = self.total
+            self.loss = loss_total
+        else:
+            losses.check_item_total(items_total)
+            self.num_items = items_total
+            factor /= items_total
+            self.loss = loss_total / items_total
+        found = grads.finish(factor, ex.skip_nonfinite or bool(ex.deterministic))
+        if ex.deterministic and not ex.skip_nonfinite and found:
+            raise FloatingPointError(
+                f"vflow step {ex.step_count}: a gradient of the global batch is inf or NaN, "
+                "or its sum does not fit float32 (deterministic mode never hands such a sum "
+                "to the optimizer); nothing was changed. Pass skip_nonfinite=True to skip "
+                "such steps instead"
+            )
+        if ex.max_grad_norm is not None and not found:
+            self.grad_norm = grads.clip_grad_norm_(ex.max_grad_norm)
+        self.skipped = found
+        self.after_reduce = self.clock.mark()
+
+    def result(self, start: int, end: int, loss_scale: float | None) -> StepResult:
+        ex, seconds = self.ex, self.clock.seconds
+        wait = ex._grads.last_wait_seconds
+        marks, rank, step = self.marks, ex.rank, ex.step_count
+        optimizer_s = seconds(self.after_reduce, end)
+        step_s = seconds(start, end)
+        exposed = self.stats_wait + wait
+
+        def profile() -> WorkerProfile:
+            vns = tuple(
+                VNProfile(vn, size, seconds(a, b), seconds(c, d)) for vn, size, a, b, c, d in marks
+            )
+            compute = sum(v.forward_s + v.backward_s for v in vns)
+            return WorkerProfile(rank, step, vns, compute, exposed, optimizer_s, step_s)
+
+        timings = PhaseTimings(
+            seconds(start, self.after_vns),
+            seconds(self.after_vns, self.after_reduce),
+            optimizer_s,
+            wait,
+        )
+        return StepResult(
+            self.loss,
+            self.num_items,
+            step,
+            self.skipped,
+            loss_scale,
+            self.grad_norm,
+            timings,
+            profile,
+        )
