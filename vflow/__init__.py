@@ -7,6 +7,7 @@ gradients in fused flat buffers, then all workers reduce and step once.
 """
 
 from vflow._extension import _C
+from vflow._version import __version__
 from vflow.amp import LossScaler
 from vflow.batching import split_sizes
 from vflow.checkpoint import load, save
@@ -27,8 +28,8 @@ __all__ = [
     "VNBatchSampler",
     "VNSlice",
     "VNTransform",
+    "__version__",
     "load",
     "save",
     "split_sizes",
 ]
-__version__ = "0.2.0"
