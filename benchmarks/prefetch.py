@@ -188,7 +188,9 @@ def headline_of(r: dict[str, Any], index: int, count: int) -> dict[str, Any]:
     requires = {}
     if r["load_kind"] == "compute":
         requires = {"min_cpus": 4}
-        why += "; a CPU-bound load overlaps only on a core nothing else needs (2 leave none)"
+        why += (
+            "; a CPU-bound load needs a core of its own: 2 cores leave one, lost to any other load"
+        )
     share = r["load_s"] / r["compute_per_vn_s"]
     return headline(
         "prefetch",

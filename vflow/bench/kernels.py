@@ -70,7 +70,7 @@ class Settings:
     min_run_time: float
 
 
-QUICK = Settings(numel=6_000_000, tensors=160, rounds=2, min_run_time=0.05)
+QUICK = Settings(numel=6_000_000, tensors=160, rounds=3, min_run_time=0.1)
 FULL = Settings(numel=25_000_000, tensors=160, rounds=5, min_run_time=0.3)
 
 
@@ -125,7 +125,7 @@ def _cpu_name() -> str:
     return names[0] if names else platform.processor() or platform.machine()
 
 
-def _median_blocks(
+def _timed_blocks(
     methods: dict[str, Callable[[], object]], device: torch.device, settings: Settings
 ) -> dict[str, list[float]]:
     """Seconds per call of each method, one value per timed block, pooled over rounds."""
@@ -231,10 +231,10 @@ def run(device: torch.device, settings: Settings) -> tuple[list[dict[str, Any]],
         # The copy runs among them: the limit is measured under the same conditions.
         copy_src, copy_dst = torch.randn(numel, device=device), torch.empty(numel, device=device)
         methods["copy_"] = lambda src=copy_src, dst=copy_dst: dst.copy_(src)
-        times[name] = _median_blocks(methods, device, settings)
+        times[name] = _timed_blocks(methods, device, settings)
         del methods, copy_src, copy_dst
     print("measuring scale_check_ and exact_accumulate_ ...", flush=True)
-    times["flat"] = _median_blocks(_flat_case(numel, device), device, settings)
+    times["flat"] = _timed_blocks(_flat_case(numel, device), device, settings)
 
     copy_bytes = 2 * fp32 * numel
     nbytes = {("fp32", m): numel * (fp32 + 2 * fp32) for m in times["fp32"] if m != "copy_"} | {

@@ -100,9 +100,9 @@ class Row:
     verdict on the target.
 
     ``key`` names the result independently of measured values, so that ``--compare``
-    finds the same row in another run; ``compared`` is the record's text. ``notes`` are
-    footnotes: what the limit is (``limit_note``) and why a target does not apply here
-    (``result_note``).
+    finds the same row in another run; ``compared`` is the record's text. Two notes
+    become footnotes of the table: what the limit is (``limit_note``) and why the target
+    does not apply here (``result_note``). ``labels`` name what each measurement is.
     """
 
     benchmark: str
@@ -299,7 +299,7 @@ def _ratio(record: Record, kind: str, values: dict[str, float]) -> float | None:
     if compare == "gap closed":
         gap = values["baseline"] - values["limit"]
         if gap <= 0:
-            return None  # vflow's baseline already at the limit: nothing to close
+            return None  # the baseline is already at the limit: nothing to close
         closed = (
             statistics.median(y - x for x, y in zip(v, b))
             if paired
