@@ -184,13 +184,11 @@ def headline_of(r: dict[str, Any], index: int, count: int) -> dict[str, Any]:
     """The record's headline: prefetching against no prefetching, the ideal as the limit;
     the share of the gap closed is judged where L <= C (and, for a CPU-bound load, where
     a core is free for it)."""
-    why = "a load longer than a VN's compute cannot be hidden"
-    requires = {}
+    requires: dict[str, int] = {}
+    why = ""
     if r["load_kind"] == "compute":
         requires = {"min_cpus": 4}
-        why += (
-            "; a CPU-bound load needs a core of its own: 2 cores leave one, lost to any other load"
-        )
+        why = "a CPU-bound load needs a core of its own; of 2, the spare one goes to any other load"
     share = r["load_s"] / r["compute_per_vn_s"]
     return headline(
         "prefetch",
@@ -216,7 +214,7 @@ def headline_of(r: dict[str, Any], index: int, count: int) -> dict[str, Any]:
             ">=",
             TARGET_HIDDEN,
             requires=requires,
-            when=[["load", "<=", "compute"]],
+            when=[["load", "<=", "compute", "a load longer than a VN's compute cannot be hidden"]],
             why=why,
         ),
     )

@@ -41,10 +41,12 @@ checked against the computed one, so that a script and the summary cannot disagr
 A target applies to the ratio. ``requires`` names what the target needs to be
 meaningful — ``{"device": "cuda"}``, ``{"min_cpus": n}`` (usable CPUs, from the
 record's ``env``), ``{"min_samples": n}`` (timed samples of vflow: a quick run may have
-too few to resolve the target); ``when`` lists conditions on measurements of the record
-(``[["load", "<=", "compute"]]``, by medians, the names being ``vflow``, ``baseline``,
-``limit`` or keys of its ``context`` measurements). A target whose requirements or
-conditions do not hold is "n/a here", with the reason.
+too few to resolve the target), with ``why`` they are needed; ``when`` lists conditions
+on measurements of the record, each with the reason it is needed
+(``[["load", "<=", "compute", "a load longer than ... cannot be hidden"]]``, by medians,
+the names being ``vflow``, ``baseline``, ``limit`` or keys of its ``context``
+measurements). A target whose requirements or conditions do not hold is "n/a here",
+with the reason.
 """
 
 from __future__ import annotations
@@ -163,7 +165,9 @@ def target(
     when: Sequence[Sequence[str]] = (),
     why: str = "",
 ) -> dict[str, Any]:
-    """A target on the ratio, with what it needs to mean something (module docstring)."""
+    """A target on the ratio, with what it needs to mean something: ``requires`` and
+    ``why`` they are needed, ``when`` conditions ``[name, op, name, reason]`` (module
+    docstring)."""
     if op not in _OPS:
         raise ValueError(f"target op must be '<=' or '>=', got {op!r}")
     t: dict[str, Any] = {"op": op, "value": float(value)}
@@ -347,24 +351,28 @@ def _condition_unmet(record: Record, when: Any) -> str | None:
     for condition in when:
         if (
             not isinstance(condition, list)
-            or len(condition) != 3
+            or len(condition) not in (3, 4)
             or condition[1] not in _OPS
             or condition[0] not in named
             or condition[2] not in named
         ):
             raise _fail(
                 record,
-                f"target when: {condition!r} is not [name, '<=' or '>=', name] over "
+                f"target when: {condition!r} is not [name, '<=' or '>=', name, reason] over "
                 f"{sorted(named)}",
             )
-        left, op, right = condition
+        left, op, right = condition[:3]
+        reason = f": {condition[3]}" if len(condition) == 4 else ""
         kinds = {_kind(named[left], left), _kind(named[right], right)}
         if len(kinds) != 1:
             raise _fail(record, f"target when compares {left} and {right} of different kinds")
         (their_kind,) = kinds
         a, b = _value(named[left], their_kind), _value(named[right], their_kind)
         if not _OPS[op](a, b):
-            return f"applies when {left} {op} {right}; here {a:.3g} vs {b:.3g} {UNITS[their_kind]}"
+            return (
+                f"applies when {left} {op} {right}; here {a:.3g} vs {b:.3g} "
+                f"{UNITS[their_kind]}{reason}"
+            )
     return None
 
 
@@ -424,12 +432,13 @@ def _judge(record: Record, row: Row) -> None:
     if row.ratio is None and record.get("compare") is None:
         raise _fail(record, "has a target but no compare: a target is on the ratio")
     row.target = f"{t['op']} {t['value']:g}"
-    unmet = _requirement_unmet(record, t.get("requires") or {}) or _condition_unmet(
-        record, t.get("when") or []
-    )
+    unmet = _requirement_unmet(record, t.get("requires") or {})
+    if unmet is not None and t.get("why"):
+        unmet += f": {t['why']}"
+    unmet = unmet or _condition_unmet(record, t.get("when") or [])
     if unmet is not None:
         row.result = "n/a here"
-        row.result_note = f"{row.target} {unmet}" + (f": {t['why']}" if t.get("why") else "")
+        row.result_note = f"{row.target} {unmet}"
     elif row.ratio is None:
         row.result = "n/a"
         row.result_note = "no ratio: the baseline is already at the limit"
