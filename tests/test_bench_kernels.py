@@ -50,3 +50,12 @@ def test_a_tiny_run_gives_four_evaluable_headlines(capsys: pytest.CaptureFixture
     for method in ("per-tensor add_", "vflow multi_accumulate_", "scale_check_", "copy_"):
         assert method in detail
     assert env["cpu_affinity"] >= 1 and env["vflow"] == kernels.__version__
+
+
+def test_the_detail_table_warns_when_timings_are_noise() -> None:
+    steady = {"copy_": [0.010, 0.010, 0.010, 0.010], "m": [0.005, 0.005, 0.005, 0.005]}
+    nbytes = {("c", "copy_"): 10**6, ("c", "m"): 10**6}
+    assert "WARNING" not in kernels._detail_table({"c": steady}, nbytes)
+    noisy = steady | {"m": [0.001, 0.005, 0.005, 0.02]}
+    table = kernels._detail_table({"c": noisy}, nbytes)
+    assert "WARNING: 1 of 2 methods vary by more than 50% (IQR)" in table

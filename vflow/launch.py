@@ -145,13 +145,7 @@ def run_ranks(
     )
     with tempfile.TemporaryDirectory(prefix="vflow-ranks-") as tmp:
         out_dir = Path(tmp)
-        settings = _RankSettings(
-            world_size,
-            store.port,
-            collective_timeout,
-            threads,
-            str(out_dir),
-        )
+        settings = _RankSettings(world_size, store.port, collective_timeout, threads, str(out_dir))
         procs = [
             ctx.Process(
                 target=_rank_main,
@@ -166,7 +160,7 @@ def run_ranks(
         try:
             for p in procs:
                 p.start()
-            stopped_after = _wait(procs, timeout, fail_fast, store if poll else None, poll)
+            stopped_after = _wait(procs, timeout, fail_fast, store, poll)
             hung = (
                 []
                 if stopped_after is not None
@@ -209,7 +203,7 @@ def _wait(
     procs: Sequence[Any],
     timeout: float,
     fail_fast: bool,
-    store: dist.TCPStore | None,
+    store: dist.TCPStore,
     poll: Callable[[dist.TCPStore], None] | None,
 ) -> int | None:
     """Waits until every rank has ended or ``timeout`` passed; with ``fail_fast``, only
@@ -217,7 +211,7 @@ def _wait(
     deadline = time.monotonic() + timeout
     step = _POLL_S if poll is not None or fail_fast else None
     while True:
-        if poll is not None and store is not None:
+        if poll is not None:
             poll(store)
         alive = [p for p in procs if p.is_alive()]
         if fail_fast:

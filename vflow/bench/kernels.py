@@ -45,6 +45,8 @@ __all__ = ["Settings", "environment", "gradient_sizes", "run", "vflow_kernel"]
 WEIGHT = 0.125
 TARGET_FP32_COPY_FRACTION = 0.8
 TARGET_BF16_SPEEDUP = 1.5
+# Timed blocks of one method spread wider than this (IQR / median) only on a busy machine.
+NOISY_IQR = 0.5
 
 EXACT_NOTE = (
     "limit = the time the exact kernel's bytes (4 B read + 13 B read + 13 B written per "
@@ -298,11 +300,13 @@ def _detail_table(
     times: dict[str, dict[str, list[float]]], nbytes: dict[tuple[str, str], int]
 ) -> str:
     rows = []
+    noisy = 0
     for case, methods in times.items():
         copy_gbps = nbytes[(case, "copy_")] / statistics.median(methods["copy_"]) / 1e9
         for method, samples in methods.items():
             median = statistics.median(samples)
             q1, _, q3 = statistics.quantiles(samples, n=4) if len(samples) > 1 else (0, 0, 0)
+            noisy += (q3 - q1) / median > NOISY_IQR
             gbps = nbytes[(case, method)] / median / 1e9
             rows.append(
                 [
@@ -314,4 +318,12 @@ def _detail_table(
                     f"{100 * gbps / copy_gbps:.0f}%",
                 ]
             )
-    return format_table(["case", "method", "median ms", "IQR", "GB/s", "% copy"], rows)
+    text = format_table(["case", "method", "median ms", "IQR", "GB/s", "% copy"], rows)
+    if noisy:
+        text += (
+            f"\nWARNING: {noisy} of {len(rows)} methods vary by more than "
+            f"{NOISY_IQR:.0%} (IQR): other processes are competing for the cores, and "
+            "descheduled threads dominate the times; rerun on a quiet machine, or with "
+            "--threads 1"
+        )
+    return text
