@@ -1,7 +1,9 @@
-# Two entry points for a fresh machine (Python 3.10+ with pip and a C++ compiler):
+# Two entry points for a fresh machine (Python 3.10+ with pip, venv and a C++ compiler):
 #   make demo   - installs everything into .venv and runs the main job end to end
 #   make test   - installs everything into .venv and runs the test suite
+#   make bench  - the benchmark suite of this checkout (benchmarks/run.py; ARGS=--full)
 # TORCH_VERSION pins the PyTorch the extension is built against (default: the CPU build).
+# Everything runs in .venv: `source .venv/bin/activate`, or prefix commands with .venv/bin/.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,6 +18,9 @@ EXT_SOURCES := setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/*/*.h csrc/*/*.cpp c
 install: $(BUILD_STAMP)
 
 $(DEPS_STAMP):
+	@$(PYTHON) -c "import venv, ensurepip" 2> /dev/null || { echo "make: $(PYTHON) cannot \
+	create a virtual environment (no venv/ensurepip); on Debian/Ubuntu: sudo apt install \
+	python3-venv" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" numpy ninja setuptools wheel \
@@ -28,12 +33,14 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(EXT_SOURCES)
 
 demo: $(BUILD_STAMP)
 	$(PY) -m vflow demo $(ARGS)
+	@echo "vflow is installed in $(VENV): run its commands as $(VENV)/bin/python -m vflow ..., \
+	$(VENV)/bin/torchrun ..., or after: source $(VENV)/bin/activate"
 
 test: $(BUILD_STAMP)
 	$(PY) -m pytest -q tests
 
 bench: $(BUILD_STAMP)
-	$(PY) -m vflow bench $(ARGS)
+	$(PY) benchmarks/run.py $(ARGS)
 
 lint: $(DEPS_STAMP)
 	$(VENV)/bin/ruff check vflow tests benchmarks examples setup.py

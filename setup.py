@@ -9,6 +9,7 @@ the decision (``0`` forces a CPU-only build, ``1`` fails loudly if CUDA is missi
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -107,6 +108,15 @@ def _extension():
     )
 
 
+def _version() -> str:
+    # Read as text: importing vflow would need torch and the extension this builds.
+    text = (ROOT / "vflow" / "_version.py").read_text(encoding="utf-8")
+    match = re.search(r'^__version__ = "([^"]+)"$', text, re.MULTILINE)
+    if match is None:
+        sys.exit('vflow: vflow/_version.py has no line __version__ = "..."')
+    return match.group(1)
+
+
 def _torch_requirement() -> str:
     # The extension's ABI is tied to the torch it was compiled against: pin that release.
     public_version = torch.__version__.split("+")[0]
@@ -115,7 +125,7 @@ def _torch_requirement() -> str:
 
 setup(
     name="vflow",
-    version="0.1.0",
+    version=_version(),
     description="Virtual node processing for PyTorch: hardware-independent batch size and results",
     long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",

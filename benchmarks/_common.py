@@ -24,6 +24,7 @@ import torch.utils.benchmark as tbench
 
 import vflow
 from vflow import _C
+from vflow.table import format_table as format_table  # the scripts' tables: one formatter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -255,28 +256,6 @@ def fmt_ms(seconds: float | None) -> str:
     if ms >= 1:
         return f"{ms:.2f}"
     return f"{ms:.4f}"
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A plain-text table; the first column is left-aligned, numbers right-aligned."""
-    widths = [len(h) for h in headers]
-    for row in rows:
-        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
-
-    def line(cells: Sequence[str]) -> str:
-        parts = []
-        for i, (cell, width) in enumerate(zip(cells, widths, strict=True)):
-            parts.append(cell.ljust(width) if i == 0 or not _numeric(cell) else cell.rjust(width))
-        return "  ".join(parts).rstrip()
-
-    out = [line(headers), "  ".join("-" * w for w in widths)]
-    out += [line(row) for row in rows]
-    return "\n".join(out)
-
-
-def _numeric(cell: str) -> bool:
-    stripped = cell.strip().rstrip("%x").replace(".", "", 1).replace("-", "", 1)
-    return stripped.isdigit()
 
 
 def finish_run(json_path: Path | None, records: list[dict[str, Any]], env: dict[str, Any]) -> int:

@@ -53,6 +53,7 @@ from _common import (
 )
 
 from vflow import _C
+from vflow.bench.records import copy_limit_note, headline, measurement, target
 
 # The weight of one of 8 equal virtual nodes; a power of two, so every method computes
 # bit-identical products and the correctness check below can be tight.
@@ -779,7 +780,70 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_exact:
         sizes = exact_sizes(args.exact_numel, quick=args.quick)
         records += exact_section(device, sizes, rounds=rounds, min_run_time=min_run_time)
-    return finish_run(args.json, records, env)
+    return finish_run(args.json, records + headline_records(records), env)
+
+
+# ---- Headline records for the suite's summary (vflow/bench/records.py) ----
+
+
+def headline_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per list and dtype, the fused accumulate against the per-tensor loop with the copy
+    bandwidth as the limit; per size and path of the exact table, the exact add against
+    the float fold. Raw times and bytes only: the summary computes the ratios."""
+
+    def m(r: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        return measurement(r["times_s"], nbytes=r["bytes"], **kwargs)
+
+    out = []
+    copy = next((r for r in records if r["benchmark"] == "copy"), None)
+    ok = {
+        (r["list"], r["grad_dtype"], r["method"]): r
+        for r in records
+        if r["benchmark"] == "accumulate" and r["status"] == "ok"
+    }
+    for (name, dt, method), fused in ok.items():
+        loop = ok.get((name, dt, LOOP))
+        if method != FUSED or loop is None or copy is None:
+            continue
+        note = copy_limit_note(f"{COPY_BYTES // 2**20} MB fp32")
+        fp32 = dt == "fp32"
+        out.append(
+            headline(
+                "accumulate",
+                f"accumulate/{name}/{dt}",
+                f"{name} {dt}: fused / " + ("copy GB/s" if fp32 else "per-tensor loop GB/s"),
+                vflow=m(fused),
+                baseline=m(loop, label=LOOP),
+                limit=m(copy, label="copy bandwidth", note=note),
+                compare="vflow/limit" if fp32 else "vflow/baseline",
+                target=target(">=", TARGET_FP32_COPY_FRACTION if fp32 else TARGET_BF16_SPEEDUP),
+                stated_ratio=fused["pct_copy"] / 100 if fp32 else fused["speedup_vs_loop"],
+            )
+        )
+    exact = {(r["size"], r["kernel"], r["path"]): r for r in records if r["benchmark"] == "exact"}
+    for (size, kernel, path), add in exact.items():
+        fold = exact.get((size, EXACT_FOLD, path))
+        if kernel != EXACT_ADD or fold is None:
+            continue
+        copy_r = exact[(size, EXACT_COPY, None)]
+        out.append(
+            headline(
+                "accumulate",
+                f"exact/{size}/{path}",
+                f"exact add {size} ({path}): time / float fold",
+                vflow=measurement(add["times_s"]),
+                baseline=measurement(fold["times_s"], label=EXACT_FOLD),
+                limit=m(
+                    copy_r,
+                    for_bytes=add["bytes"],
+                    label="copy bandwidth",
+                    note="limit = the time the exact add's bytes take at the copy bandwidth "
+                    "of the same size",
+                ),
+                stated_ratio=add["time_vs_float_fold"],
+            )
+        )
+    return out
 
 
 if __name__ == "__main__":

@@ -108,33 +108,16 @@ import json
 import sys
 from pathlib import Path
 
+from vflow.bench.summary import count_targets, rows_of, summary_table
+
 log_dir = Path(sys.argv[1])
-rows = []
-acc = log_dir / "accumulate.json"
-if acc.exists():
-    for r in json.loads(acc.read_text()):
-        if r.get("benchmark") == "copy":
-            rows.append(("copy (limit)", "", f"{r['gbps']:.0f} GB/s", ""))
-        elif r.get("benchmark") == "accumulate" and r.get("method") == "vflow accumulate_" and r.get("status") == "ok":
-            rows.append((f"fused {r['list']} {r['grad_dtype']}", "", f"{r['gbps']:.0f} GB/s",
-                         f"{r['pct_copy']:.0f}% of copy, {r['speedup_vs_loop']:.2f}x loop"))
-        elif r.get("benchmark") == "exact":
-            rows.append((f"{r['kernel']} [{r['path']}] {r['size']}", "", f"{r['gbps']:.0f} GB/s",
-                         f"{100 * r['frac_copy']:.0f}% of copy, {r['ns_per_elem'] * 1e3:.1f} ps/elem"))
-st = log_dir / "step.json"
-if st.exists():
-    for r in json.loads(st.read_text()):
-        rows.append((f"step {r['model']} V={r['virtual_nodes']}", "",
-                     f"{r['vflow_median_s'] * 1e3:.2f} ms",
-                     f"hand loop {r['hand_median_s'] * 1e3:.2f} ms, ratio {r['ratio']:.2f}"))
-pf = log_dir / "prefetch.json"
-if pf.exists():
-    for r in json.loads(pf.read_text()):
-        rows.append((f"prefetch {r['load_kind']} L={r['load_s'] * 1e3:.1f} ms", "",
-                     f"{r['prefetch_s'] * 1e3:.2f} ms",
-                     f"no prefetch {r['no_prefetch_s'] * 1e3:.2f} ms, ideal "
-                     f"{r['ideal_s'] * 1e3:.2f} ms, hidden {100 * r['hidden_fraction']:.0f}%"))
-for name, _, value, note in rows:
-    print(f"{name:44s} {value:>10s}  {note}")
+records = []
+for name in ("accumulate", "step", "prefetch"):
+    path = log_dir / f"{name}.json"
+    if path.exists():
+        records += json.loads(path.read_text())
+rows = rows_of(records)
+print(summary_table(rows, compared=False))
+print(count_targets(rows).line())
 EOF
 exit $FAILED

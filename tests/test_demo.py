@@ -3,11 +3,13 @@ short end-to-end run with real Gloo workers."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from vflow import demo
@@ -57,5 +59,92 @@ def test_short_run_gives_identical_vflow_mappings_and_writes_the_plot(tmp_path: 
     # The baseline's global batch follows the worker count: 1 x 64 and 2 x 64.
     assert sorted(r["global_batch"] for r in baselines) == [64, 128]
     assert any(r["max_param_diff"] > 0 for r in baselines)
+    # Per step, against the first run after the same samples: exactly 0 for every vflow
+    # mapping at every step; the baseline run with the first's global batch matches it
+    # at every step, the other one at every second.
+    for r in vflow_runs:
+        assert r["param_diff_per_step"] == [0.0] * len(r["losses"])
+    same_batch, half_batch = sorted(baselines, key=lambda r: -r["global_batch"])
+    assert all(d is not None for d in same_batch["param_diff_per_step"])
+    assert half_batch["param_diff_per_step"][1::2] != [None] * (len(half_batch["losses"]) // 2)
+    assert half_batch["param_diff_per_step"][0] is None
+    assert max(d for d in half_batch["param_diff_per_step"] if d is not None) > 0
     png = (out / "loss_curves.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_help_describes_every_option_once(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        demo.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    description = " ".join(out.split("options:")[0].split("\n\n", 1)[1].split())
+    assert description == " ".join(demo.DESCRIPTION.split())
+    assert description.endswith(".")
+    for action in demo.build_parser()._actions:
+        assert action.help, f"{action.option_strings} has no help"
+        # A default is stated once, by the help text itself.
+        assert action.help.count("default") <= 1, action.option_strings
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_progress_bar_in_a_log_prints_one_line_per_update() -> None:
+    stream = _Stream(tty=False)
+    bar = demo.ProgressBar(10, stream)
+    bar.start_run("run a")
+    bar.update(3)
+    bar.update(6)
+    bar.end_run()
+    bar.start_run("run b")
+    bar.update(4)
+    bar.end_run()
+    bar.finish()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 4
+    assert lines[0].startswith("[0/10 steps, ") and lines[0].endswith("] run a ...")
+    assert lines[1].startswith("[6/10 steps, ") and "run a: 6 steps in " in lines[1]
+    assert lines[3].startswith("[10/10 steps, ") and "run b: 4 steps in " in lines[3]
+
+
+def test_progress_bar_on_a_terminal_redraws_one_line() -> None:
+    stream = _Stream(tty=True)
+    bar = demo.ProgressBar(10, stream)
+    bar.start_run("run a")
+    bar.update(5)
+    bar.end_run()
+    bar.finish()
+    text = stream.getvalue()
+    assert text.count("\n") == 1 and text.endswith("\n")
+    last = text.rstrip("\n").split("\r")[-1]
+    assert last.startswith("[###############...............]  50% 5/10 steps")
+    assert "run a" in last and "s left" in last
+
+
+def _outcome(name: str, global_batch: int, steps_per_epoch: int, values: list[float]):
+    run = demo.Run(name, 1, global_batch, (1,))
+    outcome = demo.Outcome(run, losses=[0.0] * len(values), steps_per_epoch=steps_per_epoch)
+    outcome.trajectory = np.array([[v, -v] for v in values], dtype=np.float32)
+    return outcome
+
+
+def test_parameter_differences_are_taken_at_the_same_point_of_the_data() -> None:
+    # Batch 4, 2 steps per epoch; the other run's batch 2 reaches the same samples on
+    # every second step, the third run's batch 3 never does.
+    first = _outcome("first", 4, 2, [1.0, 2.0, 3.0, 4.0])
+    same = _outcome("same", 4, 2, [1.0, 2.0, 3.0, 4.0])
+    half = _outcome("half", 2, 4, [0.0, 1.5, 0.0, 2.0, 0.0, 3.0, 0.0, 4.5])
+    odd = _outcome("odd", 3, 2, [5.0, 5.0, 5.0, 5.0])
+    demo.compare_with_first([first, same, half, odd])
+    assert same.param_diff_per_step == [0.0] * 4 and same.max_param_diff == 0.0
+    assert half.param_diff_per_step == [None, 0.5, None, 0.0, None, 0.0, None, 0.5]
+    assert half.max_param_diff == 0.5
+    assert odd.param_diff_per_step == [None] * 4
+    assert odd.max_param_diff == 1.0

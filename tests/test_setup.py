@@ -50,3 +50,19 @@ def test_bad_override_value_is_rejected():
     out = _setup("maybe")
     assert out.returncode != 0
     assert "VFLOW_CUDA must be auto, 0 or 1, got 'maybe'" in out.stderr
+
+
+def test_version_has_one_source():
+    """setup.py reads vflow/_version.py as text, the package imports it: one version."""
+    import vflow
+
+    out = subprocess.run(
+        [sys.executable, "setup.py", "--version"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == vflow.__version__
+    assert f'__version__ = "{vflow.__version__}"' in (ROOT / "vflow" / "_version.py").read_text()

@@ -5,11 +5,13 @@ deterministic mode, beside the baseline users get without virtual nodes: data
 parallelism with a fixed per-device batch, whose global batch (and so training)
 changes with the number of workers.
 
-It prints a table (mapping, global batch, final loss and test accuracy, the largest
-parameter difference to the first mapping, wall time), draws a progress bar, and
-writes a PNG of the loss curves and a JSON of every number to the output folder. The
-vflow curves coincide exactly; the baseline's do not. The exit status is 1 if the
-vflow mappings do not end with bitwise-identical parameters.
+It shows a progress bar (one line per run when the output is not a terminal), prints a
+table (mapping, global batch, final loss and test accuracy, the largest parameter
+difference to the first mapping, wall time), and writes to the output folder a PNG
+with two panels — the loss curves, and the largest parameter difference to the first
+run at every step, which stays exactly 0 for the vflow mappings and grows for the
+baseline — and a JSON of every number. The exit status is 1 if the vflow mappings do
+not end with bitwise-identical parameters.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
-import queue
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,14 +26,27 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import vflow
+from vflow import launch
+from vflow.table import format_table
 
-_HOST = "127.0.0.1"
+DESCRIPTION = (
+    "Train a small CNN on scikit-learn's digits with the same global batch B and V "
+    "virtual nodes on 1, 2 and 4 Gloo worker processes and an uneven plan "
+    "(deterministic mode: the runs end bitwise identical), beside data parallelism "
+    "without virtual nodes, whose global batch grows with the worker count. Prints a "
+    "table and writes loss_curves.png and results.json to --out."
+)
+# The store key under which rank 0 counts the steps it has done, for the progress bar.
+_PROGRESS_KEY = "vflow/demo/steps"
+# Per rendezvous and collective inside the workers.
+_COLLECTIVE_TIMEOUT_S = 120.0
 
 
 def load_digits_split(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -94,9 +107,18 @@ class Outcome:
     seconds: float = math.nan  # the training loop
     wall_seconds: float = math.nan  # from starting the workers to their result
     max_param_diff: float | None = None
-    # numpy, not torch: a queue pickles tensors as handles to shared memory, which
-    # die with the worker process that made them.
-    params: list[Any] = field(default_factory=list, repr=False)
+    # Per step: the largest |parameter - first run's| at the same point of the data
+    # (None where the first run has no step there: another global batch size).
+    param_diff_per_step: list[float | None] = field(default_factory=list)
+    # Every parameter, flattened, after every step (steps x parameters).
+    trajectory: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)), repr=False)
+
+    def data_points(self) -> list[tuple[int, int]]:
+        """(epoch, samples of the epoch's order used so far) after each step: the same
+        point of the data for runs of any global batch, since the order of an epoch
+        depends on (seed, epoch) alone."""
+        b, n = self.run.global_batch, self.steps_per_epoch
+        return [(k // n, (k % n + 1) * b) for k in range(len(self.losses))]
 
 
 def plan_counts(spec: str, virtual_nodes: int) -> tuple[int, ...]:
@@ -135,37 +157,15 @@ def describe(counts: tuple[int, ...]) -> str:
 # ---- one worker process ---------------------------------------------------------------
 
 
-def _worker(
-    rank: int,
-    run: Run,
-    port: int,
-    args: dict[str, Any],
-    data: tuple[torch.Tensor, ...],
-    progress: Any,
-    results: Any,
-) -> None:
-    # Several workers share the cores; one intra-op thread each is also a condition
-    # of bitwise reproducibility on CPU.
-    torch.set_num_threads(1)
-    vflow.distributed.use_loopback_for_gloo()
-    try:
-        group = None
-        if run.workers > 1:
-            store = dist.TCPStore(_HOST, port, is_master=False, timeout=timedelta(seconds=120))
-            dist.init_process_group(
-                "gloo", store=store, rank=rank, world_size=run.workers,
-                timeout=timedelta(seconds=120),
-            )  # fmt: skip
-            group = dist.group.WORLD
-        outcome = _train(rank, run, args, data, group, progress)
-        if rank == 0:
-            results.put(("ok", outcome))
-    except BaseException as exc:
-        results.put(("error", f"{run.name}, rank {rank}: {type(exc).__name__}: {exc}"))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _train_rank(
+    rank: int, world_size: int, run: Run, args: dict[str, Any], data: tuple[torch.Tensor, ...]
+) -> Outcome | None:
+    """One worker of ``run`` (started by vflow.launch, one torch thread: several workers
+    share the cores, and one intra-op thread is also a condition of bitwise
+    reproducibility on CPU). Rank 0 returns the outcome."""
+    progress = launch.current_store() if rank == 0 else None
+    outcome = _train(rank, run, args, data, dist.group.WORLD, progress)
+    return outcome if rank == 0 else None
 
 
 def _train(
@@ -173,8 +173,8 @@ def _train(
     run: Run,
     args: dict[str, Any],
     data: tuple[torch.Tensor, ...],
-    group: Any,
-    progress: Any,
+    group: dist.ProcessGroup,
+    progress: dist.Store | None,
 ) -> Outcome:
     x_train, y_train, x_test, y_test = data
     model = make_model(args["seed"])
@@ -197,16 +197,11 @@ def _train(
         ddp = None
     else:
         ex = None
-        ddp = (
-            nn.parallel.DistributedDataParallel(model, process_group=group)
-            if group is not None
-            else model
-        )
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
         # Not dist.all_reduce: see Note [Collectives on tensors Python cannot see].
-        collectives = (
-            vflow.distributed.World(group, timedelta(seconds=120)) if group is not None else None
-        )
+        collectives = vflow.distributed.World(group, timedelta(seconds=_COLLECTIVE_TIMEOUT_S))
     per_device = run.global_batch // run.workers
+    trajectory: list[np.ndarray] = []
     for epoch in range(args["epochs"]):
         # The data order depends on (seed, epoch) alone: every run sees the same samples
         # in the same order, in batches of its own global size.
@@ -224,18 +219,20 @@ def _train(
                 local.backward()
                 optimizer.step()
                 loss = local.detach()
-                if collectives is not None:
-                    collectives.sum([loss], "all-reduce of the baseline's loss", step)
-                    loss /= run.workers
-                loss = loss.item()
+                collectives.sum([loss], "all-reduce of the baseline's loss", step)
+                loss = (loss / run.workers).item()
             outcome.losses.append(loss)
-            if rank == 0:
-                progress.put(1)
+            if progress is not None:
+                trajectory.append(
+                    torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
+                )
+                progress.add(_PROGRESS_KEY, 1)
     outcome.seconds = time.perf_counter() - start
     if ex is not None:
         ex.close()
     outcome.test_accuracy = accuracy(model, x_test, y_test)
-    outcome.params = [p.detach().numpy().copy() for p in model.parameters()]
+    # numpy, not torch: the result is pickled, and numpy arrays pickle as plain data.
+    outcome.trajectory = np.stack(trajectory) if trajectory else outcome.trajectory
     return outcome
 
 
@@ -243,109 +240,117 @@ def _train(
 
 
 class ProgressBar:
-    """Steps done over all runs. On a terminal it redraws one line (at most 10 times a
-    second); in a log it prints one line per run instead."""
+    """Steps done over all runs.
+
+    On a terminal: one line redrawn in place (at most 10 times a second) with a bar, the
+    share and count of steps done, the time so far, an estimate of the time left and
+    the current run. Otherwise (a log, a pipe): one line per update, an update being a
+    run starting or ending, so that a log shows how far the job got.
+    """
+
+    WIDTH = 30
 
     def __init__(self, total: int, stream: Any = sys.stderr) -> None:
-        self.total, self.done, self.stream = total, 0, stream
+        self.total, self.stream = max(1, total), stream
+        self.done = self.run_start_done = 0
         self.label = ""
-        self.start = time.perf_counter()
-        self.last_draw = 0.0
+        self.start = self.run_start = time.perf_counter()
+        self.last_draw = -math.inf
         self.interactive = bool(getattr(stream, "isatty", lambda: False)())
 
-    def advance(self, steps: int = 1, label: str | None = None) -> None:
-        self.done += steps
-        now = time.perf_counter()
-        if label is not None:
-            self.label = label
-            if not self.interactive:
-                self.stream.write(f"[{self.done}/{self.total} steps, {now - self.start:.1f}s] "
-                                  f"{label}\n")  # fmt: skip
-                self.stream.flush()
-        if not self.interactive or (now - self.last_draw < 0.1 and self.done < self.total):
-            return
-        self.last_draw = now
-        width = 30
-        filled = int(width * self.done / max(1, self.total))
-        elapsed = time.perf_counter() - self.start
-        self.stream.write(
-            f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} steps "
-            f"{elapsed:5.1f}s  {self.label:<40.40}"
-        )
-        self.stream.flush()
+    def start_run(self, label: str) -> None:
+        self.label = label
+        self.run_start, self.run_start_done = time.perf_counter(), self.done
+        if self.interactive:
+            self._draw(force=True)
+        else:
+            self._line(f"{label} ...")
+
+    def update(self, run_steps: int) -> None:
+        """The current run has done ``run_steps`` steps."""
+        self.done = self.run_start_done + run_steps
+        if self.interactive:
+            self._draw(force=False)
+
+    def end_run(self) -> None:
+        seconds = time.perf_counter() - self.run_start
+        if self.interactive:
+            self._draw(force=True)
+        else:
+            self._line(f"{self.label}: {self.done - self.run_start_done} steps in {seconds:.1f} s")
 
     def finish(self) -> None:
         if self.interactive:
             self.stream.write("\n")
-        else:
-            self.stream.write(
-                f"[{self.done}/{self.total} steps, {time.perf_counter() - self.start:.1f}s] done\n"
-            )
+            self.stream.flush()
+
+    def _line(self, text: str) -> None:
+        elapsed = time.perf_counter() - self.start
+        self.stream.write(f"[{self.done}/{self.total} steps, {elapsed:.1f} s] {text}\n")
+        self.stream.flush()
+
+    def _draw(self, *, force: bool) -> None:
+        now = time.perf_counter()
+        if not force and now - self.last_draw < 0.1:
+            return
+        self.last_draw = now
+        fraction = min(1.0, self.done / self.total)
+        filled = round(self.WIDTH * fraction)
+        elapsed = now - self.start
+        # Steps of the later runs take about as long as those so far: a rough estimate,
+        # shown once there is something to go on.
+        left = f"~{elapsed * (1 - fraction) / fraction:.0f} s left" if self.done else ""
+        self.stream.write(
+            f"\r[{'#' * filled}{'.' * (self.WIDTH - filled)}] {100 * fraction:3.0f}% "
+            f"{self.done}/{self.total} steps {elapsed:5.1f} s {left:<12} {self.label:<36.36}"
+        )
         self.stream.flush()
 
 
 def run_one(
     run: Run, args: dict[str, Any], data: tuple[torch.Tensor, ...], bar: ProgressBar
 ) -> Outcome:
-    ctx = mp.get_context("spawn")
-    progress, results = ctx.Queue(), ctx.Queue()
-    store = None
-    port = 0
-    if run.workers > 1:
-        # The parent hosts the rendezvous on a port the OS picks: no collisions.
-        store = dist.TCPStore(
-            _HOST, 0, world_size=run.workers, is_master=True, wait_for_workers=False,
-            timeout=timedelta(seconds=120),
-        )  # fmt: skip
-        port = store.port
+    bar.start_run(run.name)
+
+    def poll(store: dist.TCPStore) -> None:
+        # add(key, 0) reads the counter and creates it if no step has been done yet.
+        bar.update(store.add(_PROGRESS_KEY, 0))
+
     started = time.perf_counter()
-    procs = [
-        ctx.Process(target=_worker, args=(rank, run, port, args, data, progress, results))
-        for rank in range(run.workers)
-    ]
-    for p in procs:
-        p.start()
-    outcome: Outcome | None = None
-    error: str | None = None
-    deadline = time.monotonic() + args["timeout"]
-    bar.advance(0, run.name)
-    try:
-        while outcome is None and error is None:
-            while True:
-                try:
-                    bar.advance(progress.get_nowait())
-                except queue.Empty:
-                    break
-            try:
-                status, value = results.get(timeout=0.1)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    error = f"{run.name}: no result within {args['timeout']:g} s"
-                elif all(not p.is_alive() for p in procs) and results.empty():
-                    error = f"{run.name}: the workers exited without a result"
-                continue
-            if status == "ok":
-                outcome = value
-            else:
-                error = value
-        while True:
-            try:
-                bar.advance(progress.get_nowait())
-            except queue.Empty:
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=30 if error is None else 1)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        del store
-    if error is not None:
-        bar.finish()
-        raise RuntimeError(error)
-    assert outcome is not None
+    results = launch.run_ranks(
+        run.workers,
+        _train_rank,
+        run,
+        args,
+        data,
+        timeout=args["timeout"],
+        collective_timeout=_COLLECTIVE_TIMEOUT_S,
+        threads=1,
+        fail_fast=True,
+        poll=poll,
+    )
+    outcome = results[0].value
+    assert isinstance(outcome, Outcome)
     outcome.wall_seconds = time.perf_counter() - started
+    bar.end_run()
     return outcome
+
+
+def compare_with_first(outcomes: list[Outcome]) -> None:
+    """Sets each outcome's parameter differences to the first run: after the last step,
+    and per step at the same point of the data."""
+    first = outcomes[0]
+    first_step = {point: k for k, point in enumerate(first.data_points())}
+    for outcome in outcomes:
+        outcome.max_param_diff = float(np.abs(outcome.trajectory[-1] - first.trajectory[-1]).max())
+        outcome.param_diff_per_step = []
+        for k, point in enumerate(outcome.data_points()):
+            t = first_step.get(point)
+            outcome.param_diff_per_step.append(
+                None
+                if t is None
+                else float(np.abs(outcome.trajectory[k] - first.trajectory[t]).max())
+            )
 
 
 def plot(outcomes: list[Outcome], path: Path, title: str) -> None:
@@ -354,49 +359,77 @@ def plot(outcomes: list[Outcome], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (loss_ax, diff_ax) = plt.subplots(
+        2, 1, figsize=(8, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
+    )
     styles = ["-", "--", ":", "-."]
     baseline_colors = ["tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
     vflow_index = baseline_index = 0
     for outcome in outcomes:
         epochs = [(k + 1) / outcome.steps_per_epoch for k in range(len(outcome.losses))]
+        diffs = [(e, d) for e, d in zip(epochs, outcome.param_diff_per_step) if d is not None]
         if outcome.run.counts is not None:
             # Identical curves: distinct dash patterns keep every one of them visible.
-            ax.plot(
-                epochs, outcome.losses, styles[vflow_index % len(styles)], color="tab:blue",
-                linewidth=2.2 - 0.4 * vflow_index, label=outcome.run.name,
-            )  # fmt: skip
+            style = {
+                "linestyle": styles[vflow_index % len(styles)],
+                "color": "tab:blue",
+                "linewidth": 2.2 - 0.4 * vflow_index,
+            }
             vflow_index += 1
         else:
-            color = baseline_colors[baseline_index % len(baseline_colors)]
+            style = {
+                "color": baseline_colors[baseline_index % len(baseline_colors)],
+                "alpha": 0.8,
+                "linewidth": 1,
+            }
             baseline_index += 1
-            ax.plot(
-                epochs, outcome.losses, color=color, alpha=0.8, linewidth=1,
-                label=outcome.run.name,
-            )  # fmt: skip
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("training loss (global batch)")
-    ax.set_yscale("log")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
+        loss_ax.plot(epochs, outcome.losses, label=outcome.run.name, **style)
+        if diffs and outcome is not outcomes[0]:
+            diff_ax.plot(*zip(*diffs), label=outcome.run.name, **style)
+    loss_ax.set_ylabel("training loss (global batch)")
+    loss_ax.set_yscale("log")
+    loss_ax.set_title(title, fontsize=10)
+    loss_ax.legend(fontsize=8)
+    diff_ax.set_xlabel("epoch")
+    diff_ax.set_ylabel("max |param − first run's|", fontsize=9)
+    # Linear near 0, logarithmic above: exact zeros stay on the axis while differences
+    # from 1e-6 to 1 stay apart.
+    diff_ax.set_yscale("symlog", linthresh=1e-6)
+    # A little below 0, so that the vflow lines at exactly 0 are not hidden by the axis.
+    diff_ax.set_ylim(bottom=-3e-7)
+    diff_ax.set_title(
+        f"largest parameter difference to the first run ({outcomes[0].run.name}) after the "
+        "same samples",
+        fontsize=9,
+    )
+    if vflow_index > 1:
+        diff_ax.annotate(
+            "every vflow mapping: exactly 0 at every step",
+            xy=(0.01, 0.1),
+            xycoords="axes fraction",
+            color="tab:blue",
+            fontsize=9,
+        )
+    diff_ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m vflow demo",
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m vflow demo", description=DESCRIPTION)
+    parser.add_argument(
+        "--epochs", type=int, default=3, help="passes over the training set (default: 3)"
     )
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch B")
-    parser.add_argument("--virtual-nodes", type=int, default=8, help="V")
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch B (default: 64)")
+    parser.add_argument(
+        "--virtual-nodes", type=int, default=8, help="virtual nodes V per step (default: 8)"
+    )
     parser.add_argument(
         "--mappings",
         nargs="+",
         default=None,
+        metavar="SPEC",
         help='vflow mappings: "W" for W workers with V/W VNs each, "a,b,c" for an uneven '
         "plan (default: 1 2 4 and an uneven plan)",
     )
@@ -408,10 +441,33 @@ def main(argv: list[str] | None = None) -> int:
         "worker count, so the baseline's largest run has global batch B)",
     )
     parser.add_argument("--no-baseline", action="store_true", help="skip the baseline runs")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("vflow_out/demo"), help="output folder")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    parser.add_argument(
+        "--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default: 0.05)"
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the model, the data split and order, and vflow's per-VN random "
+        "streams (default: 0)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("vflow_out/demo"),
+        help="output folder for loss_curves.png and results.json (default: vflow_out/demo)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds per run before its workers are stopped (default: 600)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("epochs", "virtual_nodes", "batch_size"):
         if getattr(args, name) < 1:
@@ -422,6 +478,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     if not args.lr > 0:
         parser.error(f"--lr must be > 0, got {args.lr}")
+    if not args.timeout > 0:
+        parser.error(f"--timeout must be > 0, got {args.timeout}")
+    if args.baseline_batch is not None and args.baseline_batch < 1:
+        parser.error(f"--baseline-batch must be >= 1, got {args.baseline_batch}")
     try:
         mappings = [
             plan_counts(spec, args.virtual_nodes)
@@ -434,8 +494,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--batch-size must be <= {len(data[1])} (the training set)")
     even_workers = sorted({len(c) for c in mappings if len(set(c)) == 1})
     baseline_batch = args.baseline_batch or max(1, args.batch_size // max(even_workers or [1]))
-    if args.baseline_batch is not None and args.baseline_batch < 1:
-        parser.error(f"--baseline-batch must be >= 1, got {args.baseline_batch}")
 
     runs = [Run(f"vflow, {describe(c)}", len(c), args.batch_size, c) for c in mappings]
     if not args.no_baseline:
@@ -461,14 +519,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     total_steps = sum(args.epochs * (len(data[1]) // run.global_batch) for run in runs)
     bar = ProgressBar(total_steps)
-    outcomes = [run_one(run, settings, data, bar) for run in runs]
-    bar.finish()
-
-    first = outcomes[0]
-    for outcome in outcomes:
-        outcome.max_param_diff = max(
-            float(abs(p - q).max()) for p, q in zip(outcome.params, first.params, strict=True)
-        )
+    try:
+        outcomes = [run_one(run, settings, data, bar) for run in runs]
+    finally:
+        bar.finish()
+    compare_with_first(outcomes)
     vflow_runs = [o for o in outcomes if o.run.counts is not None]
     identical = all(o.max_param_diff == 0.0 for o in vflow_runs)
     same_losses = all(o.losses == vflow_runs[0].losses for o in vflow_runs)
@@ -489,22 +544,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for o in outcomes
     ]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     print()
-    print(
-        "  ".join(
-            h.ljust(w) if i == 0 else h.rjust(w)
-            for i, (h, w) in enumerate(zip(headers, widths, strict=True))
-        )
-    )
-    print("  ".join("-" * w for w in widths))
-    for row in rows:
-        print(
-            "  ".join(
-                c.ljust(w) if i == 0 else c.rjust(w)
-                for i, (c, w) in enumerate(zip(row, widths, strict=True))
-            )
-        )
+    print(format_table(headers, rows))
     print()
     verdict = (
         f"vflow: the {len(vflow_runs)} mappings end with bitwise-identical parameters "
@@ -541,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
                 "seconds": o.seconds,
                 "wall_seconds": o.wall_seconds,
                 "max_param_diff": o.max_param_diff,
+                "param_diff_per_step": o.param_diff_per_step,
             }
             for o in outcomes
         ],
