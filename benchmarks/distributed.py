@@ -111,15 +111,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import faulthandler
 import json
-import multiprocessing as mp
 import resource
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -145,12 +141,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 import vflow
 import vflow.bench.records as bench_records
-from vflow import tree
-from vflow.distributed import World, use_loopback_for_gloo
+from vflow import launch, tree
+from vflow.distributed import World
 from vflow.step_stats import StatsLayout
 
 WORLD_SIZE = 2
-HOST = "127.0.0.1"
 CLASSES = 10
 TARGET_RATIO = 1.0  # vflow step time / DDP step time, printed (not asserted)
 # deterministic="ordered" step time / default vflow step time, printed (not asserted).
@@ -164,8 +159,6 @@ LABELS = {
     "det": "vflow deterministic (ordered)",
     "exact": "vflow deterministic (exact)",
 }
-# How long a terminated rank gets to exit before it is killed outright.
-GRACE_S = 5.0
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -830,13 +823,15 @@ def print_results(r: dict[str, Any]) -> None:
     print(
         "\nnotes:\n"
         f"  comm alone = the method's gradient communication with nothing else running "
-        f"(median over {r['measured_steps']} reps), in its executor's bucket layout:\n"
+        f"(median over {r['measured_steps']} reps): its executor's own Reducer reducing its "
+        "zeroed buckets (Reducer.reduce_as_is):\n"
         "    vflow and DDP: float32 all-reduce (SUM) of the buckets;\n"
-        "    ordered: isend/irecv of the float32 buckets' shards: all buckets' phase 1 (each "
-        "rank's partial shards to their owners),\n"
+        "    ordered: every bucket's phase 1 (each rank's partial shards to their owners, "
+        "point to point),\n"
         "      then per bucket: wait, add the received partials in tree order (the combine), "
         "start phase 2 (own shard to the others);\n"
-        "    exact: int8 (MAX) then int64 (SUM) all-reduces, in the reducer's order\n"
+        "    exact: per bucket int8 (MAX) all-reduce, packing, int64 (SUM) all-reduce; then "
+        "the unpacking\n"
         "  exposed (executors) = StepResult.timings.reduce_wait, the wait for gradient "
         "communication after backward:\n"
         "    vflow: the bucket all-reduces; its 'last - other' shows how much the overlapped "
@@ -889,113 +884,48 @@ def print_results(r: dict[str, Any]) -> None:
     )
 
 
-def rank_main(rank: int, port: int, cfg: Config, out_path: str, give_up_at: float) -> None:
-    """One rank: joins the group, runs the methods, and on rank 0 prints the results
-    and writes the record to ``out_path`` for the parent."""
-    torch.set_num_threads(cfg.threads)
-    # A rank still running shortly before the parent gives up (at wall-clock time
-    # give_up_at) leaves its Python stacks on stderr, so a hang shows where it was stuck.
-    faulthandler.dump_traceback_later(max(0.1, give_up_at - GRACE_S - time.time()))
-    use_loopback_for_gloo()
-    timeout = timedelta(seconds=cfg.collective_timeout_s)
-    try:
-        store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=WORLD_SIZE, timeout=timeout
-        )
-        try:
-            bench = Bench(cfg, rank)
-            if rank == 0:
-                print(
-                    f"measuring {cfg.reps} reps after {cfg.warmup} warm-up step(s) ...",
-                    flush=True,
-                )
-            series = bench.run()
-            gathered: list[Any] = [None] * WORLD_SIZE
-            dist.all_gather_object(gathered, series)
-            diffs = bench.max_param_diffs()
-            mismatches = {
-                "vflow": bench.mismatches_with_rank0(bench.model_v),
-                "det": bench.mismatches_with_rank0(bench.model_o),
-                "exact": bench.mismatches_with_rank0(bench.model_e),
-                "ddp": bench.mismatches_with_rank0(bench.model_d),
-            }
-            # Before closing: the reducers report the bytes of the plan they ran.
-            nbytes = bench.payload_bytes()
-            for ex in (bench.ex, bench.ex_o, bench.ex_e):
-                ex.close()
-            if rank == 0:
-                record = summarise(cfg, bench, gathered, diffs, mismatches, nbytes)
-                print_results(record)
-                Path(out_path).write_text(json.dumps(record), encoding="utf-8")
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-
-
-def run_ranks(cfg: Config, timeout_s: float) -> dict[str, Any]:
-    """Spawns the ranks and waits for them, never longer than ``timeout_s``."""
-    ctx = mp.get_context("spawn")  # forking a process with torch's threads can deadlock
-    # The parent is not a rank: port 0 lets the OS pick a free port, and it must not
-    # wait for workers; the ranks' rendezvous does the waiting.
-    store = dist.TCPStore(
-        HOST, 0, None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
-    )
-    with tempfile.TemporaryDirectory(prefix="vflow-bench-") as tmp:
-        out_path = Path(tmp) / "record.json"
-        procs = [
-            ctx.Process(
-                target=rank_main,
-                args=(
-                    rank,
-                    store.port,
-                    cfg,
-                    str(out_path),
-                    time.time() + timeout_s,
-                ),
-                name=f"vflow-bench-rank-{rank}",
-                daemon=True,  # die with the parent if it is interrupted
-            )
-            for rank in range(WORLD_SIZE)
-        ]
-        try:
-            for p in procs:
-                p.start()
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
-                alive = [p for p in procs if p.is_alive()]
-                # A failed rank leaves the other one blocked in a collective: stop now.
-                if not alive or any(p.exitcode not in (None, 0) for p in procs):
-                    break
-                alive[0].join(0.2)
-            failed = {rank: p.exitcode for rank, p in enumerate(procs) if p.exitcode}
-            hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
-        finally:
-            _stop(procs)
-        if failed:
-            raise SystemExit(f"benchmark failed: rank exit codes {failed} (see stderr)")
-        if hung:
-            raise SystemExit(
-                f"ranks {hung} still running after {timeout_s:g} s, killed (their Python "
-                "stacks are on stderr)"
-            )
-        record = json.loads(out_path.read_text(encoding="utf-8"))
-    del store  # only now: the ranks used it until they ended
+def rank_main(rank: int, world_size: int, cfg: Config) -> dict[str, Any] | None:
+    """One rank (the launcher has joined it to the group): runs the methods; rank 0
+    prints the results and returns the record."""
+    bench = Bench(cfg, rank)
+    if rank == 0:
+        print(f"measuring {cfg.reps} reps after {cfg.warmup} warm-up step(s) ...", flush=True)
+    series = bench.run()
+    gathered: list[Any] = [None] * WORLD_SIZE
+    dist.all_gather_object(gathered, series)
+    diffs = bench.max_param_diffs()
+    mismatches = {
+        "vflow": bench.mismatches_with_rank0(bench.model_v),
+        "det": bench.mismatches_with_rank0(bench.model_o),
+        "exact": bench.mismatches_with_rank0(bench.model_e),
+        "ddp": bench.mismatches_with_rank0(bench.model_d),
+    }
+    # Before closing: the reducers report the bytes of the plan they ran.
+    nbytes = bench.payload_bytes()
+    for ex in (bench.ex, bench.ex_o, bench.ex_e):
+        ex.close()
+    if rank != 0:
+        return None
+    record = summarise(cfg, bench, gathered, diffs, mismatches, nbytes)
+    print_results(record)
     return record
 
 
-def _stop(procs: list[Any]) -> None:
-    # A benchmark rank has nothing worth a graceful shutdown: kill it outright.
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    for p in procs:
-        if p.pid is not None:  # None when start() failed
-            p.join()
+def run(cfg: Config, timeout_s: float) -> dict[str, Any]:
+    """Runs the ranks, never longer than ``timeout_s``; rank 0's record."""
+    try:
+        results = launch.run_ranks(
+            WORLD_SIZE,
+            rank_main,
+            cfg,
+            timeout=timeout_s,
+            collective_timeout=cfg.collective_timeout_s,
+            threads=cfg.threads,
+            fail_fast=True,  # a failed rank leaves the other blocked in a collective
+        )
+    except (launch.RankError, TimeoutError) as e:
+        raise SystemExit(f"benchmark failed: {e}") from None
+    return results[0].value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1092,7 +1022,7 @@ def main(argv: list[str] | None = None) -> int:
         f"config: {json.dumps(asdict(cfg))}\noptimizer SGD(lr=0.01, momentum=0.9) for all methods",
         flush=True,
     )
-    record = run_ranks(cfg, timeout_s)
+    record = run(cfg, timeout_s)
     return finish_run(args.json, [record, *headline_records(record)], env)
 
 
