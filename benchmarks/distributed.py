@@ -85,8 +85,8 @@ fault per 4 KiB page, which can rival the arithmetic.
 Bytes communicated per step and rank: vflow and exact: ``Reducer.bytes_per_step`` (the
 buckets in their wire format handed to all-reduce: 4 bytes per float32 element; exact:
 1 + 8 = 9 bytes per element); ordered: its ``Reducer.bytes_per_step``, the bytes it sends
-point to point (phase 1 + phase 2); each plus the step statistics all-reduce of 2V + 2
-float64 values. DDP: 4 bytes per gradient element handed to all-reduce. A ring
+point to point (phase 1 + phase 2); each plus the step statistics all-reduce (6V + 2 + 6W
+float64 values, ``vflow.step_stats``). DDP: 4 bytes per gradient element handed to all-reduce. A ring
 all-reduce moves about 2(W-1)/W times its payload over each rank's link (1x for W = 2),
 so with 2 ranks and the default plan vflow, ordered and DDP move the same bytes.
 
@@ -306,7 +306,7 @@ class Bench:
     def payload_bytes(self) -> dict[str, int]:
         """Bytes each rank communicates per step: the buckets in their wire format (the
         ordered reducer's count follows the plan's tree, set by its first step) plus the
-        step statistics (2V + 2 float64 values); DDP: fp32 gradients."""
+        step statistics (6V + 2 + 6W float64 values); DDP: fp32 gradients."""
         stats_bytes = StatsLayout(self.cfg.virtual_nodes, WORLD_SIZE).numel * 8
         return {
             "vflow": self.ex.reducer.bytes_per_step + stats_bytes,

@@ -65,6 +65,9 @@ class ModelSpec:
     build: Callable[[], nn.Module]
     make_batch: Callable[[int, torch.Generator, torch.device], Batch]
     global_batch: int
+    virtual_nodes: tuple[int, ...]  # unless --vns says otherwise
+    # Steps are short and noisy: more repetitions for the same confidence.
+    reps_factor: int = 1
 
 
 def mlp(width: int = 1024, depth: int = 4, classes: int = 10) -> nn.Module:
@@ -76,6 +79,17 @@ def mlp(width: int = 1024, depth: int = 4, classes: int = 10) -> nn.Module:
 
 def mlp_batch(b: int, gen: torch.Generator, device: torch.device) -> Batch:
     x = torch.randn(b, 1024, generator=gen, device=device)
+    return x, torch.randint(0, 10, (b,), generator=gen, device=device)
+
+
+def tiny() -> nn.Module:
+    """A model whose compute is negligible: its step time is the fixed cost of a step
+    (per step and per VN) of whichever method runs it."""
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 10))
+
+
+def tiny_batch(b: int, gen: torch.Generator, device: torch.device) -> Batch:
+    x = torch.randn(b, 16, generator=gen, device=device)
     return x, torch.randint(0, 10, (b,), generator=gen, device=device)
 
 
@@ -264,10 +278,16 @@ def main(argv: list[str] | None = None) -> int:
         "--vns",
         type=int,
         nargs="+",
-        default=[1, 4, 8],
-        help="virtual node counts V (default: 1 4 8)",
+        default=None,
+        help="virtual node counts V (default: 1 4 8 for mlp and cnn, 1 8 32 for tiny)",
     )
-    parser.add_argument("--models", nargs="+", choices=["mlp", "cnn"], default=["mlp", "cnn"])
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=["mlp", "cnn", "tiny"],
+        default=["mlp", "cnn", "tiny"],
+        help="tiny: a 16-wide MLP whose compute is negligible, to measure the fixed cost of a step",
+    )
     args = parser.parse_args(argv)
     apply_threads(args.threads)
     device = pick_device(args.device)
@@ -278,8 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(device)
     print_header("vflow benchmark: Executor.step vs hand-written accumulation", env)
     specs = {
-        "mlp": ModelSpec("mlp 4x1024", mlp, mlp_batch, 256),
-        "cnn": ModelSpec("cnn 3xconv+BN", cnn, cnn_batch, 64),
+        "mlp": ModelSpec("mlp 4x1024", mlp, mlp_batch, 256, (1, 4, 8)),
+        "cnn": ModelSpec("cnn 3xconv+BN", cnn, cnn_batch, 64, (1, 4, 8)),
+        "tiny": ModelSpec("tiny mlp 16", tiny, tiny_batch, 64, (1, 8, 32), reps_factor=10),
     }
     print(
         f"optimizer SGD(momentum=0.9); {reps} interleaved reps x {steps_per_rep} step(s) "
@@ -289,11 +310,18 @@ def main(argv: list[str] | None = None) -> int:
 
     records = []
     for key in args.models:
-        for v in args.vns:
-            spec = specs[key]
+        spec = specs[key]
+        for v in args.vns or spec.virtual_nodes:
             print(f"measuring {spec.name}, V={v}, B={spec.global_batch} ...", flush=True)
             records.append(
-                bench_config(spec, v, device, warmup=warmup, reps=reps, steps_per_rep=steps_per_rep)
+                bench_config(
+                    spec,
+                    v,
+                    device,
+                    warmup=warmup * spec.reps_factor,
+                    reps=reps * spec.reps_factor,
+                    steps_per_rep=steps_per_rep,
+                )
             )
 
     rows = []

@@ -418,3 +418,30 @@ def test_bad_plans_and_mismatched_ranks_raise_clear_errors():
         assert plan_errors["mixed_kinds_unchanged"]
         assert r.value["kept"] == "Plan(counts=[4, 4])"
         assert r.value["steps"] == 2
+
+
+def _different_scalers(rank: int, world_size: int) -> dict[str, str]:
+    """Ranks whose loss scalers have other settings (or other state) must not form one
+    worker set: each would scale and skip differently."""
+    model = models.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    errors = {}
+    cases = {
+        "init_scale": vflow.LossScaler(init_scale=2.0**10 if rank == 0 else 2.0**12),
+        "growth_interval": vflow.LossScaler(growth_interval=100 if rank == 0 else 200),
+        "on_off": rank == 0,
+    }
+    for name, loss_scale in cases.items():
+        try:
+            vflow.Executor(model, opt, models.mean_ce, 8, loss_scale=loss_scale, timeout=30)
+        except ValueError as e:
+            errors[name] = str(e)
+    vflow.Executor(model, opt, models.mean_ce, 8, loss_scale=vflow.LossScaler(), timeout=30).close()
+    return errors
+
+
+def test_ranks_with_different_loss_scaler_settings_raise():
+    for r in run_ranks(2, _different_scalers, timeout=120):
+        assert set(r.value) == {"init_scale", "growth_interval", "on_off"}, r.value
+        for error in r.value.values():
+            assert "ranks disagree on the settings (loss_scaling)" in error

@@ -34,13 +34,13 @@ from typing import Any
 
 import torch
 
-from vflow import membership, rng, training_state
-from vflow._checks import require_int
+from vflow import inference, membership, rng, training_state
 from vflow.amp import LossScaler
-from vflow.batching import Batch, batch_size, concat_outputs, map_batch, slice_batch
+from vflow.batching import Batch
 from vflow.config import Deterministic, ExecutorConfig
 from vflow.distributed import World, check_plan, default_plan, resolve_group, to_timedelta
 from vflow.grad_store import GradStore, trainable_params
+from vflow.inference import ForwardFn
 from vflow.module_buffers import BufferRule
 from vflow.plan import Plan, VNSlice
 from vflow.prefetch import Prefetcher, VNTransform
@@ -52,17 +52,9 @@ from vflow.step_stats import StatsLayout
 from vflow.vn_batches import VNBatchSource
 
 LossFn = Callable[[torch.nn.Module, Batch], Any]
-ForwardFn = Callable[[torch.nn.Module, Batch], Any]
+
 
 _log = logging.getLogger("vflow")
-
-
-def _default_forward(model: torch.nn.Module, batch: Batch) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return model(batch)
-    if isinstance(batch, dict):
-        return model(**batch)
-    return model(*batch)
 
 
 class Executor:
@@ -202,6 +194,7 @@ class Executor:
         self.step_count = 0
         self.skipped_steps = 0
         self._last_result: StepResult | None = None
+        self._warned_training_mode = False
         self._gathered_profile: StepProfile | None = None
         self._device = params[0].device
         self._devices = sorted({p.device for p in params}, key=str)
@@ -409,29 +402,6 @@ class Executor:
 
     # ---- training -------------------------------------------------------------------
 
-    def _local_slices(
-        self, batch: Batch, global_batch_size: int | None
-    ) -> tuple[list[VNSlice], int]:
-        """This worker's VNs as slices of ``batch``, and the global batch size B.
-
-        ``batch`` is the global batch, or with ``global_batch_size`` only this worker's
-        samples of it (its VNs' slices, concatenated in VN order).
-        """
-        total = batch_size(batch)
-        if global_batch_size is None:
-            return self._plan.worker_slices(self.rank, total), total
-        require_int("global_batch_size", global_batch_size, 1)
-        start, stop = self._plan.worker_range(self.rank, global_batch_size)
-        if total != stop - start:
-            raise ValueError(
-                f"batch has {total} samples but worker {self.rank}'s share of a global batch of "
-                f"global_batch_size={global_batch_size} under {self._plan} is {stop - start} "
-                f"(samples [{start}, {stop})); pass this worker's samples only, or the whole "
-                "global batch without global_batch_size"
-            )
-        slices = self._plan.worker_slices(self.rank, global_batch_size)
-        return [VNSlice(vn, begin - start, size) for vn, begin, size in slices], global_batch_size
-
     def step(self, batch: Batch, *, global_batch_size: int | None = None) -> StepResult:
         """Runs one global step.
 
@@ -446,7 +416,7 @@ class Executor:
         raised by ``optimizer.step()`` itself propagates with the module buffers restored.
         """
         self._check_open()
-        slices, total = self._local_slices(batch, global_batch_size)
+        slices, total = self._plan.local_slices(self.rank, batch, global_batch_size)
         clock = StepClock(self._device)
         start = clock.mark()
         run = StepRun(self, slices, total, clock)
@@ -519,7 +489,6 @@ class Executor:
 
     # ---- inference ------------------------------------------------------------------
 
-    @torch.no_grad()
     def infer(
         self,
         batch: Batch,
@@ -546,37 +515,22 @@ class Executor:
         self._check_open()
         if not isinstance(gather, bool):
             raise TypeError(f"gather must be a bool, got {type(gather).__name__}")
-        slices, total = self._local_slices(batch, global_batch_size)
-        self._warn_training_mode()
-        forward = _default_forward if forward_fn is None else forward_fn
-        outputs = []
-        with rng.preserved_rng(self._devices):
-            for vn, start, size in slices:
-                rng.seed_all(
-                    rng.vn_seed(self.seed, self.step_count, vn, rng.INFER_STREAM), self._devices
-                )
-                with contextlib.nullcontext() if self._autocast is None else self._autocast():
-                    outputs.append(forward(self.model, slice_batch(batch, start, start + size)))
-        local = concat_outputs(outputs)
+        slices, total = self._plan.local_slices(self.rank, batch, global_batch_size)
+        if not self._warned_training_mode:
+            self._warned_training_mode = inference.warn_if_training(self.model)
+        local = inference.run(
+            self.model,
+            batch,
+            slices,
+            forward_fn,
+            seed=self.seed,
+            step=self.step_count,
+            devices=self._devices,
+            autocast=self._autocast,
+        )
         if not self._world.distributed or not gather:
             return local
-        counts = [
-            b - a for a, b in (self._plan.worker_range(w, total) for w in range(self.world_size))
-        ]
-        return map_batch(local, lambda t: self._world.gather_rows(t, counts, self.step_count))
-
-    def _warn_training_mode(self) -> None:
-        if self.model.training and not getattr(self, "_warned_training_mode", False):
-            stateful = any(
-                isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-                for m in self.model.modules()
-            )
-            if stateful:
-                self._warned_training_mode = True
-                _log.warning(
-                    "vflow: infer ran with the model in training mode, so BatchNorm updated "
-                    "its running statistics; call model.eval() before infer for inference"
-                )
+        return inference.gather(self._world, self._plan, local, total, self.step_count)
 
     # ---- training state -------------------------------------------------------------
 

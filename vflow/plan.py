@@ -23,8 +23,9 @@ import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from vflow import batching
 from vflow._checks import require_int
-from vflow.batching import split_sizes
+from vflow.batching import Batch, split_sizes
 
 
 class VNSlice(NamedTuple):
@@ -168,6 +169,29 @@ class Plan:
         """[start, stop) of ``worker``'s samples in a global batch of ``batch_size``."""
         mine = self.worker_slices(worker, batch_size)
         return mine[0].start, mine[-1].start + mine[-1].size
+
+    def local_slices(
+        self, worker: int, batch: Batch, global_batch_size: int | None
+    ) -> tuple[list[VNSlice], int]:
+        """``worker``'s VNs as slices of ``batch``, and the global batch size B.
+
+        ``batch`` is the global batch, or with ``global_batch_size`` only ``worker``'s
+        samples of it (its VNs' slices, concatenated in VN order).
+        """
+        total = batching.batch_size(batch)
+        if global_batch_size is None:
+            return self.worker_slices(worker, total), total
+        require_int("global_batch_size", global_batch_size, 1)
+        start, stop = self.worker_range(worker, global_batch_size)
+        if total != stop - start:
+            raise ValueError(
+                f"batch has {total} samples but worker {worker}'s share of a global batch of "
+                f"global_batch_size={global_batch_size} under {self} is {stop - start} "
+                f"(samples [{start}, {stop})); pass this worker's samples only, or the whole "
+                "global batch without global_batch_size"
+            )
+        slices = self.worker_slices(worker, global_batch_size)
+        return [VNSlice(vn, begin - start, size) for vn, begin, size in slices], global_batch_size
 
     def _check_worker(self, worker: int) -> None:
         require_int("worker", worker)
