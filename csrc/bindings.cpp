@@ -25,6 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_cpu_vector_path", &vflow::set_cpu_vector_path, py::arg("name"),
         "Select the CPU kernels' vector path: 'avx2' or 'portable'.");
   m.def("cpu_vector_path", &vflow::cpu_vector_path);
+  m.def("cpu_vector_paths", &vflow::cpu_vector_paths,
+        "The CPU kernels' vector paths this CPU and build offer, best first.");
   m.def("multi_accumulate_", &vflow::multi_accumulate_, py::arg("accs"), py::arg("grads"),
         py::arg("weight"), py::arg("overwrite") = false,
         "accs[i] += weight * grads[i] (= with overwrite) for every i, in one fused call.");
