@@ -6,6 +6,7 @@ of a process group; each worker runs its VNs one after another, accumulating
 gradients in fused flat buffers, then all workers reduce and step once.
 """
 
+from vflow import ops
 from vflow._extension import _C
 from vflow.amp import LossScaler
 from vflow.batching import split_sizes
@@ -28,6 +29,7 @@ __all__ = [
     "VNSlice",
     "VNTransform",
     "load",
+    "ops",
     "save",
     "split_sizes",
 ]
