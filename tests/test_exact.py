@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import devices, requires_cuda
-from vflow import _C
+from vflow import _C, ops
 
 SIZES = [0, 1, 97, 1025]
 
@@ -31,7 +31,7 @@ class Accumulator:
         self.fresh = True
 
     def add(self, grad: torch.Tensor, weight: float) -> None:
-        _C.exact_accumulate_(
+        ops.exact_accumulate_(
             self.top, self.limbs[0], self.limbs[1], self.limbs[2], grad, weight, self.fresh
         )
         self.fresh = False
@@ -43,10 +43,10 @@ def reduce(workers: list[Accumulator]) -> torch.Tensor:
     total = torch.zeros(n, dtype=torch.int64)
     for w in workers:
         wire = torch.empty(n, dtype=torch.int64)
-        _C.exact_pack_(w.top, global_top, w.limbs[0], w.limbs[1], w.limbs[2], wire)
+        ops.exact_pack_(w.top, global_top, w.limbs[0], w.limbs[1], w.limbs[2], wire)
         total += wire
     out = torch.empty(n)
-    _C.exact_unpack_(global_top, total, out)
+    ops.exact_unpack_(global_top, total, out)
     return out
 
 
@@ -187,17 +187,17 @@ def test_half_precision_gradients_are_widened_exactly(dtype: torch.dtype) -> Non
 def test_kernels_reject_bad_arguments() -> None:
     acc = Accumulator(4)
     with pytest.raises(RuntimeError, match="grad has 3 elements"):
-        _C.exact_accumulate_(acc.top, *acc.limbs, torch.ones(3), 1.0)
+        ops.exact_accumulate_(acc.top, *acc.limbs, torch.ones(3), 1.0)
     with pytest.raises(RuntimeError, match="grad must be float32"):
-        _C.exact_accumulate_(acc.top, *acc.limbs, torch.ones(4, dtype=torch.float64), 1.0)
+        ops.exact_accumulate_(acc.top, *acc.limbs, torch.ones(4, dtype=torch.float64), 1.0)
     with pytest.raises(RuntimeError, match="l1 must have dtype"):
-        _C.exact_accumulate_(
+        ops.exact_accumulate_(
             acc.top, acc.limbs[0], acc.limbs[1].long(), acc.limbs[2], torch.ones(4), 1.0
         )
     with pytest.raises(RuntimeError, match="wire must have dtype"):
-        _C.exact_pack_(acc.top, acc.top, *acc.limbs, torch.empty(4))
+        ops.exact_pack_(acc.top, acc.top, *acc.limbs, torch.empty(4))
     with pytest.raises(RuntimeError, match="out has 3 elements"):
-        _C.exact_unpack_(acc.top, torch.zeros(4, dtype=torch.int64), torch.empty(3))
+        ops.exact_unpack_(acc.top, torch.zeros(4, dtype=torch.int64), torch.empty(3))
 
 
 @pytest.mark.parametrize("device", devices())
@@ -262,10 +262,10 @@ def test_the_factor_is_applied_before_the_conversion_to_float32() -> None:
     total = torch.zeros(1, dtype=torch.int64)
     for w in workers:
         wire = torch.empty(1, dtype=torch.int64)
-        _C.exact_pack_(w.top, global_top, *w.limbs, wire)
+        ops.exact_pack_(w.top, global_top, *w.limbs, wire)
         total += wire
     out = torch.empty(1)
-    _C.exact_unpack_(global_top, total, out, 0.5)
+    ops.exact_unpack_(global_top, total, out, 0.5)
     assert out.item() == torch.tensor(big).item()
 
 
@@ -296,13 +296,13 @@ def test_cuda_kernels_give_the_cpu_integers(n: int) -> None:
     wires = {}
     for name, acc in (("cpu", host), ("cuda", device)):
         wire = torch.empty(n, dtype=torch.int64, device=acc.top.device)
-        _C.exact_pack_(acc.top, global_top.to(acc.top.device), *acc.limbs, wire)
+        ops.exact_pack_(acc.top, global_top.to(acc.top.device), *acc.limbs, wire)
         wires[name] = wire
     assert torch.equal(wires["cuda"].cpu(), wires["cpu"])
     outs = {}
     for name, wire in wires.items():
         out = torch.empty(n, device=wire.device)
-        _C.exact_unpack_(global_top.to(wire.device), wire, out, 0.25)
+        ops.exact_unpack_(global_top.to(wire.device), wire, out, 0.25)
         outs[name] = out.cpu()
     # Bits, not values: NaN elements must match too.
     assert torch.equal(outs["cuda"].view(torch.int32), outs["cpu"].view(torch.int32))

@@ -126,6 +126,11 @@ def test_schemas_annotate_every_tensor_the_operator_writes() -> None:
         assert not schema.returns, name
 
 
+def test_kernels_are_gone_from_the_pybind_module() -> None:
+    for name in ops.OP_NAMES:
+        assert not hasattr(_C, name), f"vflow._C.{name} still exists beside torch.ops.vflow"
+
+
 def test_profiler_records_the_operators_for_python_and_cpp_callers() -> None:
     acc, grad = torch.zeros(97), torch.randn(97)
     buffer = _C.GradBuffer([acc], torch.float32)
