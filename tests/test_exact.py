@@ -228,10 +228,12 @@ def test_reducer_rejects_exact_float64() -> None:
         _C.Reducer([[torch.zeros(3, dtype=torch.float64)]], [torch.float64], 1, 1, exact=True)
 
 
+@pytest.mark.skipif(
+    "avx2" not in ops.cpu_vector_paths(), reason="this CPU (or build) has no AVX2/FMA/F16C path"
+)
 @pytest.mark.parametrize("n", [1, 3, 97, 1025])
+@pytest.mark.usefixtures("restore_cpu_vector_path")
 def test_avx2_and_portable_paths_give_the_same_integers(n: int) -> None:
-    if _C.cpu_vector_path() != "avx2":
-        pytest.skip("this CPU has no AVX2: only the portable path exists")
     generator = torch.Generator().manual_seed(n)
     grads = [wide_range(n, generator, spread=60) for _ in range(6)]
     grads[2][::7] = math.inf
@@ -239,15 +241,12 @@ def test_avx2_and_portable_paths_give_the_same_integers(n: int) -> None:
     grads[4][::3] = 2.0**127  # with weight 3: beyond float32
     weights = [0.1, 1.0, 1 / 3, 1e-30, 3.0, 1e20]
     states = {}
-    try:
-        for path in ("portable", "avx2"):
-            _C.set_cpu_vector_path(path)
-            acc = Accumulator(n)
-            for g, w in zip(grads, weights, strict=True):
-                acc.add(g, w)
-            states[path] = acc
-    finally:
-        _C.set_cpu_vector_path("avx2")
+    for path in ("portable", "avx2"):
+        ops.set_cpu_vector_path(path)
+        acc = Accumulator(n)
+        for g, w in zip(grads, weights, strict=True):
+            acc.add(g, w)
+        states[path] = acc
     assert torch.equal(states["portable"].top, states["avx2"].top)
     assert torch.equal(states["portable"].limbs, states["avx2"].limbs)
 
