@@ -154,7 +154,7 @@ def test_empty_call_does_nothing() -> None:
 @pytest.mark.parametrize(
     ("op", "case"), [next(k for k in CASES if k[0] == n) for n in ops.OP_NAMES]
 )
-def test_cpu_only_build_names_the_missing_cuda_kernels(op: str, case: str) -> None:
+def test_cpu_only_build_names_the_missing_gpu_kernels(op: str, case: str) -> None:
     # No CUDA tensor exists without a GPU: call the kernel registered for the CUDA key
     # directly, as the dispatcher would for CUDA tensors.
     overload = getattr(torch.ops.vflow, op).default
