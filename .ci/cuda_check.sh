@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # CI step "CUDA compile check": builds vflow._C with its CUDA kernels against the
-# CUDA build of torch and checks that the result imports and reports CUDA support.
+# CUDA build of torch and checks that the result imports, reports CUDA support and
+# registers a CUDA kernel for every operator torch.ops.vflow.*.
 # It needs nvcc but no GPU (importing the extension does not touch a device).
 #
 # Usage: .ci/cuda_check.sh [VENV_DIR]
@@ -148,6 +149,24 @@ where = os.path.realpath(ext.__file__)
 assert where.startswith(lib + os.sep), f"imported {where}, not the build in {lib}"
 assert ext.built_with_cuda() is True, "vflow._C.built_with_cuda() is not True"
 print(f"[cuda_check] import OK: {where}; built_with_cuda() is True")
+
+# Note [One op surface]: every kernel is an operator whose CUDA implementation the .cu
+# files register (a CPU-only build's CUDA kernel would be the one in torch_ops.cpp).
+import torch
+import vflow.ops
+
+for name in vflow.ops.OP_NAMES:
+    qualified = f"vflow::{name}"
+    assert hasattr(torch.ops.vflow, name), f"torch.ops.vflow.{name} is not registered"
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CUDA"), (
+        f"{qualified} has no CUDA kernel"
+    )
+    cuda_line = next(
+        line for line in torch._C._dispatch_dump(qualified).splitlines()
+        if line.startswith("CUDA:")
+    )
+    assert ".cu:" in cuda_line, f"{qualified}'s CUDA kernel is not from a .cu file: {cuda_line}"
+print(f"[cuda_check] CUDA kernels registered for {', '.join(vflow.ops.OP_NAMES)}")
 EOF
 )
 

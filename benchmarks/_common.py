@@ -23,7 +23,7 @@ import torch
 import torch.utils.benchmark as tbench
 
 import vflow
-from vflow import _C
+from vflow import _C, ops
 from vflow.table import format_table as format_table  # the scripts' tables: one formatter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -66,9 +66,9 @@ def pick_device(name: str | None) -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit(f"--device {name}: torch sees no CUDA device")
-        if not _C.built_with_cuda():
+        if not ops.built_with_cuda():
             raise SystemExit(
-                f"--device {name}: this build of vflow has no CUDA kernels (vflow._C."
+                f"--device {name}: this build of vflow has no CUDA kernels (vflow.ops."
                 "built_with_cuda() is False); rebuild it against a CUDA build of torch"
             )
         if device.index is None:
@@ -172,8 +172,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         "cpu_affinity": affinity,
         "torch_threads": torch.get_num_threads(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "vflow_cpu_vector_path": _C.cpu_vector_path(),
-        "vflow_built_with_cuda": _C.built_with_cuda(),
+        "vflow_cpu_vector_path": ops.cpu_vector_path(),
+        "vflow_built_with_cuda": ops.built_with_cuda(),
         "busy_cpus_at_start": other_cpu_use(),
     }
     if device.type == "cuda":

@@ -52,7 +52,7 @@ from _common import (
     time_blocks,
 )
 
-from vflow import _C
+from vflow import _C, ops
 from vflow.bench.records import copy_limit_note, headline, measurement, target
 
 # The weight of one of 8 equal virtual nodes; a power of two, so every method computes
@@ -471,14 +471,7 @@ def exact_paths(device: torch.device) -> list[str]:
     """The CPU vector paths to measure (all the CPU and build offer), or ["cuda"]."""
     if device.type == "cuda":
         return ["cuda"]
-    current = _C.cpu_vector_path()
-    try:
-        _C.set_cpu_vector_path("avx2")
-    except RuntimeError:  # no AVX2/FMA/F16C on this CPU or in this build
-        return ["portable"]
-    finally:
-        _C.set_cpu_vector_path(current)
-    return ["avx2", "portable"]
+    return ops.cpu_vector_paths()
 
 
 @dataclass
@@ -509,31 +502,31 @@ def build_exact_case(label: str, n: int, device: torch.device, paths: list[str])
     expected = grad * WEIGHT
     for path in paths:
         if path != "cuda":
-            _C.set_cpu_vector_path(path)
+            ops.set_cpu_vector_path(path)
         top.fill_(5)
         limbs.fill_(12345)
-        _C.exact_accumulate_(top, l0, l1, l2, grad, WEIGHT, True)
-        _C.exact_pack_(top, top, l0, l1, l2, wire)
-        _C.exact_unpack_(top, wire, out)
+        ops.exact_accumulate_(top, l0, l1, l2, grad, WEIGHT, True)
+        ops.exact_pack_(top, top, l0, l1, l2, wire)
+        ops.exact_unpack_(top, wire, out)
         if not torch.equal(out, expected):
             raise AssertionError(f"exact {label} ({path}): fresh round trip differs")
-        _C.exact_accumulate_(top, l0, l1, l2, grad, WEIGHT, False)
-        _C.exact_pack_(top, top, l0, l1, l2, wire)
-        _C.exact_unpack_(top, wire, out)
+        ops.exact_accumulate_(top, l0, l1, l2, grad, WEIGHT, False)
+        ops.exact_pack_(top, top, l0, l1, l2, wire)
+        ops.exact_unpack_(top, wire, out)
         if not torch.equal(out, 2 * expected):
             raise AssertionError(f"exact {label} ({path}): add differs from 2 x fresh")
 
     # The timed state: this "worker" holds one contribution; the global top bins are the
     # MAX over it and a second worker's, as in a 2-rank reduce (mostly equal, so pack
     # takes the common branch, as in training).
-    _C.exact_accumulate_(top, l0, l1, l2, grad, WEIGHT, True)
+    ops.exact_accumulate_(top, l0, l1, l2, grad, WEIGHT, True)
     other_top = torch.empty_like(top)
     other_limbs = torch.empty_like(limbs)
     other = torch.randn(n, generator=gen, device=device)
-    _C.exact_accumulate_(other_top, *other_limbs, other, WEIGHT, True)
+    ops.exact_accumulate_(other_top, *other_limbs, other, WEIGHT, True)
     global_top = torch.maximum(top, other_top)
     del other_top, other_limbs, other
-    _C.exact_pack_(top, global_top, l0, l1, l2, wire)
+    ops.exact_pack_(top, global_top, l0, l1, l2, wire)
 
     # The add alternates the sign of the weight, which takes the limbs back to the same
     # integers every second call: however often the timer calls it, no limb can grow
@@ -542,7 +535,7 @@ def build_exact_case(label: str, n: int, device: torch.device, paths: list[str])
 
     def exact_add() -> None:
         sign[0] = -sign[0]
-        _C.exact_accumulate_(top, l0, l1, l2, grad, sign[0] * WEIGHT, False)
+        ops.exact_accumulate_(top, l0, l1, l2, grad, sign[0] * WEIGHT, False)
 
     methods: list[tuple[str, str | None, Callable[[], object]]] = [
         (EXACT_COPY, None, lambda: dst.copy_(src)),
@@ -551,17 +544,17 @@ def build_exact_case(label: str, n: int, device: torch.device, paths: list[str])
     # A path-dependent kernel also runs on CUDA, under the one "path" cuda.
     for path in paths:
         methods += [
-            (EXACT_FOLD, path, lambda: _C.multi_accumulate_([acc], [grad], WEIGHT)),
+            (EXACT_FOLD, path, lambda: ops.multi_accumulate_([acc], [grad], WEIGHT)),
             (
                 EXACT_FRESH,
                 path,
-                lambda: _C.exact_accumulate_(top, l0, l1, l2, grad, WEIGHT, True),
+                lambda: ops.exact_accumulate_(top, l0, l1, l2, grad, WEIGHT, True),
             ),
             (EXACT_ADD, path, exact_add),
         ]
     methods += [
-        (EXACT_PACK, None, lambda: _C.exact_pack_(top, global_top, l0, l1, l2, wire)),
-        (EXACT_UNPACK, None, lambda: _C.exact_unpack_(global_top, wire, out)),
+        (EXACT_PACK, None, lambda: ops.exact_pack_(top, global_top, l0, l1, l2, wire)),
+        (EXACT_UNPACK, None, lambda: ops.exact_unpack_(global_top, wire, out)),
     ]
     synchronize(device)
     return ExactCase(label, n, methods)
@@ -578,7 +571,7 @@ def run_exact_case(
         for i in order[shift:] + order[:shift]:
             kernel, path, fn = case.methods[i]
             if path is not None and path != "cuda":
-                _C.set_cpu_vector_path(path)
+                ops.set_cpu_vector_path(path)
             times[i] += time_blocks(
                 fn,
                 device,
@@ -614,7 +607,7 @@ def exact_section(
         flush=True,
     )
     measured: list[tuple[ExactCase, list[tuple[str, str | None]], list[list[float]]]] = []
-    saved_path = _C.cpu_vector_path()
+    saved_path = ops.cpu_vector_path()
     try:
         for label, n in sizes:
             case = build_exact_case(label, n, device, paths)
@@ -627,7 +620,7 @@ def exact_section(
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     finally:
-        _C.set_cpu_vector_path(saved_path)  # the correctness guard and timing switch it
+        ops.set_cpu_vector_path(saved_path)  # the correctness guard and timing switch it
 
     records: list[dict[str, Any]] = []
     rows: list[list[str]] = []

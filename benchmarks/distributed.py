@@ -85,10 +85,10 @@ fault per 4 KiB page, which can rival the arithmetic.
 Bytes communicated per step and rank: vflow and exact: ``Reducer.bytes_per_step`` (the
 buckets in their wire format handed to all-reduce: 4 bytes per float32 element; exact:
 1 + 8 = 9 bytes per element); ordered: its ``Reducer.bytes_per_step``, the bytes it sends
-point to point (phase 1 + phase 2); each plus the step statistics all-reduce (6V + 2 + 6W
-float64 values, ``vflow.step_stats``). DDP: 4 bytes per gradient element handed to all-reduce. A ring
-all-reduce moves about 2(W-1)/W times its payload over each rank's link (1x for W = 2),
-so with 2 ranks and the default plan vflow, ordered and DDP move the same bytes.
+point to point (phase 1 + phase 2); each plus the step statistics all-reduce
+(6V + 2 + 6W float64 values, ``vflow.step_stats``). DDP: 4 bytes per gradient element
+handed to all-reduce. A ring all-reduce moves about 2(W-1)/W times its payload over
+each rank's link (1x for W = 2), so with 2 ranks and the default plan vflow, ordered and DDP move the same bytes.
 
 Correctness: after the timed steps all methods have taken the same number of steps on
 the same batches from the same parameters; the largest relative parameter difference

@@ -63,13 +63,32 @@ build() {
   local so
   so="$(cd /tmp && "$PYTHON" -c 'import vflow._C as c; print(c.__file__)')" || return 1
   cp "$so" "$REPO_ROOT/vflow/"
-  "$PYTHON" -c 'import vflow; assert vflow._C.built_with_cuda(); print("built_with_cuda: True")'
+  "$PYTHON" -c 'import vflow.ops; assert vflow.ops.built_with_cuda(); print("built_with_cuda: True")'
 }
 
+# Device-parametrised tests carry "cuda" in their ids (test_x[cuda], test_x[cuda-...])
+# and CUDA-only tests in their names. Skips are listed (-rs): on this machine a skipped
+# CUDA case is a finding, and the stage fails unless CUDA cases really ran.
 cuda_tests() {
-  "$PYTHON" -m pytest -q -p no:cacheprovider -k "cuda" \
-    tests/test_kernels.py tests/test_exact.py tests/test_executor.py tests/test_grad_buffer.py \
-    tests/test_reducer.py tests/test_memory.py tests/test_tree.py tests/test_prefetch.py
+  local out="$LOG_DIR/cuda_tests.pytest.log"
+  "$PYTHON" -m pytest -q -rs -p no:cacheprovider -k "cuda" \
+    tests/test_kernels.py tests/test_exact.py tests/test_ops.py tests/test_executor.py \
+    tests/test_grad_buffer.py tests/test_reducer.py tests/test_memory.py tests/test_tree.py \
+    tests/test_prefetch.py 2>&1 | tee "$out"
+  local rc=${PIPESTATUS[0]}
+  # pytest's last line, e.g. "2 failed, 80 passed, 3 skipped, 1 error in 9.1s".
+  local passed failed skipped
+  read -r passed failed skipped < <(tail -n 1 "$out" | awk '{
+    for (i = 2; i <= NF; i++) {
+      word = $i; sub(/,$/, "", word); n = $(i - 1) + 0
+      if (word == "passed") p += n
+      else if (word == "failed" || word ~ /^errors?$/) f += n
+      else if (word == "skipped") s += n
+    }
+  } END { print p + 0, f + 0, s + 0 }')
+  echo "CUDA test cases: $((passed + failed)) ran ($passed passed, $failed failed), $skipped skipped"
+  [[ $passed -gt 0 ]] || { echo "no CUDA test case ran" >&2; return 1; }
+  return "$rc"
 }
 
 quick_flag=()
@@ -102,7 +121,7 @@ fi
 printf '\n=== GPU check summary (%ss in all; logs in %s)\n' "$((SECONDS - START))" "$LOG_DIR"
 cat "$LOG_DIR/environment.log" 2>/dev/null
 printf '%s\n' "${SUMMARY[@]}"
-grep -h -E '^[0-9]+ (passed|failed)|passed|failed' "$LOG_DIR/cuda_tests.log" 2>/dev/null | tail -n 1
+grep -h '^CUDA test cases' "$LOG_DIR/cuda_tests.log" 2>/dev/null
 "$PYTHON" - "$LOG_DIR" <<'EOF'
 import json
 import sys

@@ -1,6 +1,5 @@
 // Python bindings of vflow._C. The stateful GradBuffer is the main object; the
-// stateless kernels are exposed too, for tests and benchmarks that measure them
-// against PyTorch baselines without a buffer in the way.
+// stateless kernels are PyTorch operators instead (torch_ops.cpp, vflow/ops.py).
 #include <torch/extension.h>
 
 #include "collectives.h"
@@ -27,24 +26,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_cpu_vector_path", &vflow::set_cpu_vector_path, py::arg("name"),
         "Select the CPU kernels' vector path: 'avx2' or 'portable'.");
   m.def("cpu_vector_path", &vflow::cpu_vector_path);
-  m.def("multi_accumulate_", &vflow::multi_accumulate_, py::arg("accs"), py::arg("grads"),
-        py::arg("weight"), py::arg("overwrite") = false,
-        "accs[i] += weight * grads[i] (= with overwrite) for every i, in one fused call.");
-  m.def("scale_", &vflow::scale_, py::arg("buf"), py::arg("factor"),
-        "buf *= factor in one pass (float32/float64, contiguous).");
-  m.def("scale_check_", &vflow::scale_check_, py::arg("buf"), py::arg("factor"),
-        py::arg("found_nonfinite"),
-        "buf *= factor and set found_nonfinite to 1 if any result is inf/NaN, in one pass.");
-  m.def("exact_accumulate_", &vflow::exact_accumulate_, py::arg("top"), py::arg("l0"),
-        py::arg("l1"), py::arg("l2"), py::arg("grad"), py::arg("weight"),
-        py::arg("fresh") = false,
-        "Add weight * grad to exact accumulators (Note [Exact accumulation]).");
-  m.def("exact_pack_", &vflow::exact_pack_, py::arg("local_top"), py::arg("global_top"),
-        py::arg("l0"), py::arg("l1"), py::arg("l2"), py::arg("wire"),
-        "Pack exact accumulators against global top bins into int64 sums.");
-  m.def("exact_unpack_", &vflow::exact_unpack_, py::arg("global_top"), py::arg("wire"),
-        py::arg("out"), py::arg("factor") = 1.0,
-        "out = factor * packed int64 sums, converted back to float32.");
+  m.def("cpu_vector_paths", &vflow::cpu_vector_paths,
+        "The CPU kernels' vector paths this CPU and build offer, best first.");
+  // The stateless kernels are torch.ops.vflow.* (Note [One op surface]; vflow.ops).
   m.attr("EXACT_MAX_TERMS") = vflow::exact::kMaxTerms;
 
   py::class_<vflow::GradBuffer, std::shared_ptr<vflow::GradBuffer>>(m, "GradBuffer")

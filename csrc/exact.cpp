@@ -36,14 +36,9 @@ void check_limbs(const at::Tensor& top, const at::Tensor& l0, const at::Tensor& 
 
 } // namespace
 
-void exact_accumulate_(
-    const at::Tensor& top,
-    const at::Tensor& l0,
-    const at::Tensor& l1,
-    const at::Tensor& l2,
-    const at::Tensor& grad,
-    double weight,
-    bool fresh) {
+std::optional<at::Tensor> prepare_exact_accumulate(
+    const at::Tensor& top, const at::Tensor& l0, const at::Tensor& l1, const at::Tensor& l2,
+    const at::Tensor& grad) {
   check_limbs(top, l0, l1, l2, "top");
   TORCH_CHECK(grad.defined(), "grad must be a defined tensor");
   TORCH_CHECK(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16 ||
@@ -55,19 +50,41 @@ void exact_accumulate_(
   TORCH_CHECK(grad.device() == top.device(), "grad is on ", grad.device(),
               " but the accumulator is on ", top.device());
   if (top.numel() == 0) {
-    return;
+    return std::nullopt;
   }
   // Rare (channels_last parameters): one contiguous copy keeps the kernels simple.
-  const at::Tensor dense = grad.contiguous();
-  if (top.is_cuda()) {
-#ifdef VFLOW_WITH_CUDA
-    exact_accumulate_cuda(top, l0, l1, l2, dense, weight, fresh);
-#else
-    no_cuda("exact_accumulate_");
-#endif
-  } else {
-    exact_accumulate_cpu(top, l0, l1, l2, dense, weight, fresh);
-  }
+  return grad.contiguous();
+}
+
+bool prepare_exact_pack(
+    const at::Tensor& local_top, const at::Tensor& global_top, const at::Tensor& l0,
+    const at::Tensor& l1, const at::Tensor& l2, const at::Tensor& wire) {
+  check_limbs(local_top, l0, l1, l2, "local_top");
+  check_slice(global_top, "global_top", at::kChar, local_top.numel(), local_top.device());
+  check_slice(wire, "wire", at::kLong, local_top.numel(), local_top.device());
+  return local_top.numel() > 0;
+}
+
+bool prepare_exact_unpack(const at::Tensor& global_top, const at::Tensor& wire,
+                          const at::Tensor& out) {
+  check_first(global_top, "global_top");
+  check_slice(wire, "wire", at::kLong, global_top.numel(), global_top.device());
+  check_slice(out, "out", at::kFloat, global_top.numel(), global_top.device());
+  return global_top.numel() > 0;
+}
+
+void exact_accumulate_(
+    const at::Tensor& top,
+    const at::Tensor& l0,
+    const at::Tensor& l1,
+    const at::Tensor& l2,
+    const at::Tensor& grad,
+    double weight,
+    bool fresh) {
+  static const auto op = find_op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&, double, bool)>(
+      "vflow::exact_accumulate_");
+  op.call(top, l0, l1, l2, grad, weight, fresh);
 }
 
 void exact_pack_(
@@ -77,40 +94,18 @@ void exact_pack_(
     const at::Tensor& l1,
     const at::Tensor& l2,
     const at::Tensor& wire) {
-  check_limbs(local_top, l0, l1, l2, "local_top");
-  check_slice(global_top, "global_top", at::kChar, local_top.numel(), local_top.device());
-  check_slice(wire, "wire", at::kLong, local_top.numel(), local_top.device());
-  if (local_top.numel() == 0) {
-    return;
-  }
-  if (local_top.is_cuda()) {
-#ifdef VFLOW_WITH_CUDA
-    exact_pack_cuda(local_top, global_top, l0, l1, l2, wire);
-#else
-    no_cuda("exact_pack_");
-#endif
-  } else {
-    exact_pack_cpu(local_top, global_top, l0, l1, l2, wire);
-  }
+  static const auto op = find_op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+      "vflow::exact_pack_");
+  op.call(local_top, global_top, l0, l1, l2, wire);
 }
 
 void exact_unpack_(const at::Tensor& global_top, const at::Tensor& wire, const at::Tensor& out,
                    double factor) {
-  check_first(global_top, "global_top");
-  check_slice(wire, "wire", at::kLong, global_top.numel(), global_top.device());
-  check_slice(out, "out", at::kFloat, global_top.numel(), global_top.device());
-  if (global_top.numel() == 0) {
-    return;
-  }
-  if (global_top.is_cuda()) {
-#ifdef VFLOW_WITH_CUDA
-    exact_unpack_cuda(global_top, wire, out, factor);
-#else
-    no_cuda("exact_unpack_");
-#endif
-  } else {
-    exact_unpack_cpu(global_top, wire, out, factor);
-  }
+  static const auto op =
+      find_op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
+          "vflow::exact_unpack_");
+  op.call(global_top, wire, out, factor);
 }
 
 } // namespace vflow

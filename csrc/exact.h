@@ -49,6 +49,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 
 #if defined(__CUDACC__)
 #define VFLOW_HOST_DEVICE __host__ __device__ __forceinline__
@@ -172,7 +173,8 @@ VFLOW_HOST_DEVICE float unpacked(int8_t global, int64_t sum, double factor) {
 
 } // namespace exact
 
-// ---- Kernels over slices (same numel each); argument checks in exact.cpp. ----
+// ---- Operators over slices (same numel each): torch.ops.vflow.exact_*, called
+// through the dispatcher (Note [One op surface] in ops.h). ----
 
 // For every element: adds weight * grad[i] to the accumulator (top[i], limbs[k][i]).
 // grad: float32, bfloat16 or float16; top int8; l0, l1, l2 int32.
@@ -198,25 +200,19 @@ void exact_pack_(
 void exact_unpack_(const at::Tensor& global_top, const at::Tensor& wire, const at::Tensor& out,
                    double factor);
 
-// Backends: arguments already checked (contiguous, one device, equal numel > 0).
-void exact_accumulate_cpu(
-    const at::Tensor& top, const at::Tensor& l0, const at::Tensor& l1, const at::Tensor& l2,
-    const at::Tensor& grad, double weight, bool fresh);
-void exact_pack_cpu(
-    const at::Tensor& local_top, const at::Tensor& global_top, const at::Tensor& l0,
-    const at::Tensor& l1, const at::Tensor& l2, const at::Tensor& wire);
-void exact_unpack_cpu(const at::Tensor& global_top, const at::Tensor& wire, const at::Tensor& out,
-                      double factor);
+// ---- Shared first step of every backend's implementation: argument checks. After
+// them all tensors are contiguous, on one device, with equal numel. ----
 
-#ifdef VFLOW_WITH_CUDA
-void exact_accumulate_cuda(
+// The gradient as the kernel reads it (contiguous), or nullopt when there are no
+// elements.
+std::optional<at::Tensor> prepare_exact_accumulate(
     const at::Tensor& top, const at::Tensor& l0, const at::Tensor& l1, const at::Tensor& l2,
-    const at::Tensor& grad, double weight, bool fresh);
-void exact_pack_cuda(
+    const at::Tensor& grad);
+// False when there are no elements.
+bool prepare_exact_pack(
     const at::Tensor& local_top, const at::Tensor& global_top, const at::Tensor& l0,
     const at::Tensor& l1, const at::Tensor& l2, const at::Tensor& wire);
-void exact_unpack_cuda(
-    const at::Tensor& global_top, const at::Tensor& wire, const at::Tensor& out, double factor);
-#endif
+bool prepare_exact_unpack(const at::Tensor& global_top, const at::Tensor& wire,
+                          const at::Tensor& out);
 
 } // namespace vflow

@@ -51,18 +51,17 @@ void check_no_overlap(const std::vector<at::Tensor>& accs) {
               "build of torch and nvcc available (see README, 'CUDA build')");
 }
 
-void multi_accumulate_(
-    const std::vector<at::Tensor>& accs,
-    const std::vector<at::Tensor>& grads,
+FusedPairs prepare_multi_accumulate(
+    at::TensorList accs,
+    at::TensorList grads,
     double weight,
     bool overwrite) {
   TORCH_CHECK(accs.size() == grads.size(), "accs and grads must have the same length, got ",
               accs.size(), " and ", grads.size());
-  // See Note [Kernel contracts]: only contiguous, non-empty pairs reach a backend.
-  std::vector<at::Tensor> fused_accs;
-  std::vector<at::Tensor> fused_grads;
-  fused_accs.reserve(accs.size());
-  fused_grads.reserve(grads.size());
+  // See Note [Kernel contracts]: only contiguous, non-empty pairs reach a kernel.
+  FusedPairs fused;
+  fused.accs.reserve(accs.size());
+  fused.grads.reserve(grads.size());
   c10::optional<at::Device> device;
   for (const auto i : c10::irange(accs.size())) {
     const at::Tensor& acc = accs[i];
@@ -100,60 +99,53 @@ void multi_accumulate_(
       }
       continue;
     }
-    fused_accs.push_back(acc);
-    fused_grads.push_back(grad);
+    fused.accs.push_back(acc);
+    fused.grads.push_back(grad);
   }
-  if (fused_accs.empty()) {
-    return;
+  if (!fused.accs.empty()) {
+    check_no_overlap(fused.accs);
   }
-  check_no_overlap(fused_accs);
-  if (device->is_cuda()) {
-#ifdef VFLOW_WITH_CUDA
-    multi_accumulate_cuda(fused_accs, fused_grads, weight, overwrite);
-#else
-    no_cuda("multi_accumulate_");
-#endif
-  } else {
-    TORCH_CHECK(device->is_cpu(), "tensors must be on a CPU or CUDA device, got ", *device);
-    multi_accumulate_cpu(fused_accs, fused_grads, weight, overwrite);
-  }
+  return fused;
 }
 
-void scale_(const at::Tensor& buf, double factor) {
+bool prepare_scale(const at::Tensor& buf, double factor) {
   check_buffer(buf, "buf");
-  if (buf.numel() == 0 || factor == 1.0) {
-    return;
-  }
-  if (buf.is_cuda()) {
-#ifdef VFLOW_WITH_CUDA
-    scale_cuda(buf, factor);
-#else
-    no_cuda("scale_");
-#endif
-  } else {
-    scale_cpu(buf, factor);
-  }
+  return buf.numel() > 0 && factor != 1.0;
 }
 
-void scale_check_(const at::Tensor& buf, double factor, const at::Tensor& found_nonfinite) {
+bool prepare_scale_check(const at::Tensor& buf, const at::Tensor& found_nonfinite) {
   check_buffer(buf, "buf");
   TORCH_CHECK(found_nonfinite.defined() && found_nonfinite.dim() == 0 &&
                   found_nonfinite.scalar_type() == at::kFloat,
               "found_nonfinite must be a 0-dim float32 tensor");
   TORCH_CHECK(found_nonfinite.device() == buf.device(), "found_nonfinite is on ",
               found_nonfinite.device(), " but buf is on ", buf.device());
-  if (buf.numel() == 0) {
+  return buf.numel() > 0;
+}
+
+void multi_accumulate_(
+    const std::vector<at::Tensor>& accs,
+    const std::vector<at::Tensor>& grads,
+    double weight,
+    bool overwrite) {
+  if (accs.empty() && grads.empty()) {
+    // The dispatcher needs a tensor to pick a backend; there is no work anyway.
     return;
   }
-  if (buf.is_cuda()) {
-#ifdef VFLOW_WITH_CUDA
-    scale_check_cuda(buf, factor, found_nonfinite);
-#else
-    no_cuda("scale_check_");
-#endif
-  } else {
-    scale_check_cpu(buf, factor, found_nonfinite);
-  }
+  static const auto op =
+      find_op<void(at::TensorList, at::TensorList, double, bool)>("vflow::multi_accumulate_");
+  op.call(accs, grads, weight, overwrite);
+}
+
+void scale_(const at::Tensor& buf, double factor) {
+  static const auto op = find_op<void(const at::Tensor&, double)>("vflow::scale_");
+  op.call(buf, factor);
+}
+
+void scale_check_(const at::Tensor& buf, double factor, const at::Tensor& found_nonfinite) {
+  static const auto op = find_op<void(const at::Tensor&, double, const at::Tensor&)>(
+      "vflow::scale_check_");
+  op.call(buf, factor, found_nonfinite);
 }
 
 bool built_with_cuda() {

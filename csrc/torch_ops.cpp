@@ -1,7 +1,6 @@
-// Registers the stateless kernels as PyTorch operators (torch.ops.vflow.*), so they
-// can be called from TorchScript-free graph code and show up under their own names
-// in the profiler. The pybind11 functions in bindings.cpp and these operators call
-// the same entry points in ops.cpp.
+// Defines the stateless kernels as PyTorch operators, torch.ops.vflow.* (Note [One op
+// surface] in ops.h). The backends register their implementations next to their
+// kernels: cpu/*.cpp for CPU, cuda/*.cu for CUDA.
 #include <torch/library.h>
 
 #include "ops.h"
@@ -9,35 +8,51 @@
 namespace vflow {
 namespace {
 
-void multi_accumulate_op(
-    at::TensorList accs,
-    at::TensorList grads,
-    double weight,
-    bool overwrite) {
-  multi_accumulate_(accs.vec(), grads.vec(), weight, overwrite);
+constexpr const char* kOpNames[] = {
+    "multi_accumulate_", "scale_",      "scale_check_",
+    "exact_accumulate_", "exact_pack_", "exact_unpack_",
+};
+
+#ifndef VFLOW_WITH_CUDA
+void raise_no_cuda(const c10::OperatorHandle& op, torch::jit::Stack* /*stack*/) {
+  no_cuda(op.schema().name().c_str());
 }
+#endif
 
 } // namespace
 
 TORCH_LIBRARY(vflow, m) {
+  // The fake implementations live in Python: a fake-tensor trace that meets one of
+  // these operators before vflow.ops was imported is told to import it.
+  m.set_python_module("vflow.ops");
   m.def(
       "multi_accumulate_(Tensor(a!)[] accs, Tensor[] grads, float weight, "
       "bool overwrite=False) -> ()");
   m.def("scale_(Tensor(a!) buf, float factor) -> ()");
   m.def("scale_check_(Tensor(a!) buf, float factor, Tensor(b!) found_nonfinite) -> ()");
+  m.def(
+      "exact_accumulate_(Tensor(a!) top, Tensor(b!) l0, Tensor(c!) l1, Tensor(d!) l2, "
+      "Tensor grad, float weight, bool fresh=False) -> ()");
+  m.def(
+      "exact_pack_(Tensor local_top, Tensor global_top, Tensor l0, Tensor l1, Tensor l2, "
+      "Tensor(a!) wire) -> ()");
+  m.def("exact_unpack_(Tensor global_top, Tensor wire, Tensor(a!) out, float factor=1.0) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(vflow, CPU, m) {
-  m.impl("multi_accumulate_", &multi_accumulate_op);
-  m.impl("scale_", &scale_);
-  m.impl("scale_check_", &scale_check_);
+// No gradient formula: see Note [One op surface].
+TORCH_LIBRARY_IMPL(vflow, Autograd, m) {
+  for (const char* name : kOpNames) {
+    m.impl(name, torch::CppFunction::makeFallthrough());
+  }
 }
 
-#ifdef VFLOW_WITH_CUDA
+#ifndef VFLOW_WITH_CUDA
+// A CPU-only build still owns the CUDA key of its operators: a CUDA tensor gets the
+// error that names the missing kernels, not the dispatcher's "could not run".
 TORCH_LIBRARY_IMPL(vflow, CUDA, m) {
-  m.impl("multi_accumulate_", &multi_accumulate_op);
-  m.impl("scale_", &scale_);
-  m.impl("scale_check_", &scale_check_);
+  for (const char* name : kOpNames) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&raise_no_cuda>());
+  }
 }
 #endif
 

@@ -1,14 +1,40 @@
+from collections.abc import Iterator
+
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-
-requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+from vflow import ops
 
 
-def devices() -> list[str]:
-    """Devices a device-parametrised test runs on: always the CPU, CUDA when present."""
-    return ["cpu", "cuda"] if CUDA else ["cpu"]
+def _cuda_missing() -> str | None:
+    """Why CUDA tests cannot run here, or None when they can."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    if not ops.built_with_cuda():
+        return "built without CUDA kernels"
+    return None
+
+
+CUDA_MISSING = _cuda_missing()
+CUDA = CUDA_MISSING is None
+
+requires_cuda = pytest.mark.skipif(not CUDA, reason=CUDA_MISSING or "")
+
+
+def devices() -> list[object]:
+    """Devices a device-parametrised test runs on: the CPU and CUDA, whose cases are
+    always generated (ids "cpu", "cuda") and skipped where CUDA cannot run."""
+    return ["cpu", pytest.param("cuda", marks=requires_cuda)]
+
+
+@pytest.fixture
+def restore_cpu_vector_path() -> Iterator[None]:
+    """Puts the CPU kernels' vector path (a process-wide setting) back as it was."""
+    before = ops.cpu_vector_path()
+    try:
+        yield
+    finally:
+        ops.set_cpu_vector_path(before)
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vflow import _C
 from vflow.bench import kernels
 from vflow.bench.records import evaluate
 
@@ -25,11 +24,6 @@ def test_gradient_sizes_look_like_a_convnet() -> None:
 def test_gradient_sizes_rejects_a_list_it_cannot_build() -> None:
     with pytest.raises(ValueError, match="tensors >= 3 and numel >= 64 \\* tensors"):
         kernels.gradient_sizes(100, 160)
-
-
-def test_kernels_are_reached_through_the_adapter() -> None:
-    for name in ("multi_accumulate_", "scale_check_", "exact_accumulate_"):
-        assert kernels.vflow_kernel(name) is getattr(_C, name)
 
 
 def test_a_tiny_run_gives_four_evaluable_headlines(capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from tests.conftest import devices, requires_cuda
 from tests.reducers import make_reducer
-from vflow import _C
+from vflow import ops
 
 SIZES = [0, 1, 97, 1025]
 
@@ -32,7 +32,7 @@ class Accumulator:
         self.fresh = True
 
     def add(self, grad: torch.Tensor, weight: float) -> None:
-        _C.exact_accumulate_(
+        ops.exact_accumulate_(
             self.top, self.limbs[0], self.limbs[1], self.limbs[2], grad, weight, self.fresh
         )
         self.fresh = False
@@ -44,10 +44,10 @@ def reduce(workers: list[Accumulator]) -> torch.Tensor:
     total = torch.zeros(n, dtype=torch.int64)
     for w in workers:
         wire = torch.empty(n, dtype=torch.int64)
-        _C.exact_pack_(w.top, global_top, w.limbs[0], w.limbs[1], w.limbs[2], wire)
+        ops.exact_pack_(w.top, global_top, w.limbs[0], w.limbs[1], w.limbs[2], wire)
         total += wire
     out = torch.empty(n)
-    _C.exact_unpack_(global_top, total, out)
+    ops.exact_unpack_(global_top, total, out)
     return out
 
 
@@ -188,17 +188,17 @@ def test_half_precision_gradients_are_widened_exactly(dtype: torch.dtype) -> Non
 def test_kernels_reject_bad_arguments() -> None:
     acc = Accumulator(4)
     with pytest.raises(RuntimeError, match="grad has 3 elements"):
-        _C.exact_accumulate_(acc.top, *acc.limbs, torch.ones(3), 1.0)
+        ops.exact_accumulate_(acc.top, *acc.limbs, torch.ones(3), 1.0)
     with pytest.raises(RuntimeError, match="grad must be float32"):
-        _C.exact_accumulate_(acc.top, *acc.limbs, torch.ones(4, dtype=torch.float64), 1.0)
+        ops.exact_accumulate_(acc.top, *acc.limbs, torch.ones(4, dtype=torch.float64), 1.0)
     with pytest.raises(RuntimeError, match="l1 must have dtype"):
-        _C.exact_accumulate_(
+        ops.exact_accumulate_(
             acc.top, acc.limbs[0], acc.limbs[1].long(), acc.limbs[2], torch.ones(4), 1.0
         )
     with pytest.raises(RuntimeError, match="wire must have dtype"):
-        _C.exact_pack_(acc.top, acc.top, *acc.limbs, torch.empty(4))
+        ops.exact_pack_(acc.top, acc.top, *acc.limbs, torch.empty(4))
     with pytest.raises(RuntimeError, match="out has 3 elements"):
-        _C.exact_unpack_(acc.top, torch.zeros(4, dtype=torch.int64), torch.empty(3))
+        ops.exact_unpack_(acc.top, torch.zeros(4, dtype=torch.int64), torch.empty(3))
 
 
 @pytest.mark.parametrize("device", devices())
@@ -231,10 +231,12 @@ def test_reducer_rejects_exact_float64() -> None:
         make_reducer([[torch.zeros(3, dtype=torch.float64)]], [torch.float64], 1, 1, kind="exact")
 
 
+@pytest.mark.skipif(
+    "avx2" not in ops.cpu_vector_paths(), reason="this CPU (or build) has no AVX2/FMA/F16C path"
+)
 @pytest.mark.parametrize("n", [1, 3, 97, 1025])
+@pytest.mark.usefixtures("restore_cpu_vector_path")
 def test_avx2_and_portable_paths_give_the_same_integers(n: int) -> None:
-    if _C.cpu_vector_path() != "avx2":
-        pytest.skip("this CPU has no AVX2: only the portable path exists")
     generator = torch.Generator().manual_seed(n)
     grads = [wide_range(n, generator, spread=60) for _ in range(6)]
     grads[2][::7] = math.inf
@@ -242,15 +244,12 @@ def test_avx2_and_portable_paths_give_the_same_integers(n: int) -> None:
     grads[4][::3] = 2.0**127  # with weight 3: beyond float32
     weights = [0.1, 1.0, 1 / 3, 1e-30, 3.0, 1e20]
     states = {}
-    try:
-        for path in ("portable", "avx2"):
-            _C.set_cpu_vector_path(path)
-            acc = Accumulator(n)
-            for g, w in zip(grads, weights, strict=True):
-                acc.add(g, w)
-            states[path] = acc
-    finally:
-        _C.set_cpu_vector_path("avx2")
+    for path in ("portable", "avx2"):
+        ops.set_cpu_vector_path(path)
+        acc = Accumulator(n)
+        for g, w in zip(grads, weights, strict=True):
+            acc.add(g, w)
+        states[path] = acc
     assert torch.equal(states["portable"].top, states["avx2"].top)
     assert torch.equal(states["portable"].limbs, states["avx2"].limbs)
 
@@ -265,10 +264,10 @@ def test_the_factor_is_applied_before_the_conversion_to_float32() -> None:
     total = torch.zeros(1, dtype=torch.int64)
     for w in workers:
         wire = torch.empty(1, dtype=torch.int64)
-        _C.exact_pack_(w.top, global_top, *w.limbs, wire)
+        ops.exact_pack_(w.top, global_top, *w.limbs, wire)
         total += wire
     out = torch.empty(1)
-    _C.exact_unpack_(global_top, total, out, 0.5)
+    ops.exact_unpack_(global_top, total, out, 0.5)
     assert out.item() == torch.tensor(big).item()
 
 
@@ -299,13 +298,13 @@ def test_cuda_kernels_give_the_cpu_integers(n: int) -> None:
     wires = {}
     for name, acc in (("cpu", host), ("cuda", device)):
         wire = torch.empty(n, dtype=torch.int64, device=acc.top.device)
-        _C.exact_pack_(acc.top, global_top.to(acc.top.device), *acc.limbs, wire)
+        ops.exact_pack_(acc.top, global_top.to(acc.top.device), *acc.limbs, wire)
         wires[name] = wire
     assert torch.equal(wires["cuda"].cpu(), wires["cpu"])
     outs = {}
     for name, wire in wires.items():
         out = torch.empty(n, device=wire.device)
-        _C.exact_unpack_(global_top.to(wire.device), wire, out, 0.25)
+        ops.exact_unpack_(global_top.to(wire.device), wire, out, 0.25)
         outs[name] = out.cpu()
     # Bits, not values: NaN elements must match too.
     assert torch.equal(outs["cuda"].view(torch.int32), outs["cpu"].view(torch.int32))

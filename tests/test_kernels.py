@@ -1,42 +1,37 @@
-"""vflow._C's stateless kernels against pure-PyTorch float64 references."""
+"""vflow.ops' stateless kernels against pure-PyTorch float64 references."""
 
 import math
 
 import pytest
 import torch
 
-from tests.conftest import CUDA, devices
-from vflow import _C
+from tests.conftest import requires_cuda
+from vflow import ops
 
 SIZES = [0, 1, 97, 1025, 1_000_003]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
+# Every case exists on every machine; the ones this machine cannot run are skipped.
+DEVICE_PARAMS = [
+    pytest.param(
+        ("cpu", "avx2"),
+        id="cpu-avx2",
+        marks=pytest.mark.skipif(
+            "avx2" not in ops.cpu_vector_paths(),
+            reason="this CPU (or build) has no AVX2/FMA/F16C path",
+        ),
+    ),
+    pytest.param(("cpu", "portable"), id="cpu-portable"),
+    pytest.param(("cuda", None), id="cuda", marks=requires_cuda),
+]
 
-def _vector_paths() -> list[str]:
-    paths = ["portable"]
-    try:
-        _C.set_cpu_vector_path("avx2")
-        paths.append("avx2")
-    except RuntimeError:
-        pass
-    finally:
-        _C.set_cpu_vector_path(paths[-1])
-    return paths
 
-
-@pytest.fixture(
-    params=[(d, p) for d in devices() for p in _vector_paths() if d == "cpu"]
-    + ([("cuda", None)] if CUDA else [])
-)
-def device(request):
+@pytest.fixture(params=DEVICE_PARAMS)
+def device(request, restore_cpu_vector_path):
     dev, path = request.param
     if path is not None:
-        before = _C.cpu_vector_path()
-        _C.set_cpu_vector_path(path)
-        yield dev
-        _C.set_cpu_vector_path(before)
-    else:
-        yield dev
+        ops.set_cpu_vector_path(path)
+    return dev
 
 
 def _reference(acc: torch.Tensor, grad: torch.Tensor, weight: float) -> torch.Tensor:
@@ -54,7 +49,7 @@ def test_accumulate_matches_reference(device, grad_dtype, size):
     acc = torch.randn(size, device=device)
     grad = torch.randn(size, device=device).to(grad_dtype)
     expected = _reference(acc, grad, 0.37)
-    _C.multi_accumulate_([acc], [grad], 0.37)
+    ops.multi_accumulate_([acc], [grad], 0.37)
     torch.testing.assert_close(acc, expected, rtol=_tolerance(torch.float32), atol=1e-6)
 
 
@@ -63,7 +58,7 @@ def test_accumulate_many_tensors_mixed_dtypes(device):
     accs = [torch.randn(n, device=device) for n in sizes]
     grads = [torch.randn(n, device=device).to(GRAD_DTYPES[i % 3]) for i, n in enumerate(sizes)]
     expected = [_reference(a, g, -1.5) for a, g in zip(accs, grads)]
-    _C.multi_accumulate_(accs, grads, -1.5)
+    ops.multi_accumulate_(accs, grads, -1.5)
     for got, want in zip(accs, expected):
         torch.testing.assert_close(got, want, rtol=_tolerance(torch.float32), atol=1e-5)
 
@@ -73,7 +68,7 @@ def test_accumulate_into_float64(device, grad_dtype):
     accs = [torch.randn(n, device=device, dtype=torch.float64) for n in (1, 97, 1025, 100_003)]
     grads = [torch.randn(a.shape, device=device).to(grad_dtype) for a in accs]
     expected = [a + 0.1 * g.double() for a, g in zip(accs, grads)]
-    _C.multi_accumulate_(accs, grads, 0.1)
+    ops.multi_accumulate_(accs, grads, 0.1)
     for got, want in zip(accs, expected):
         torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
 
@@ -82,7 +77,7 @@ def test_accumulate_float64(device):
     accs = [torch.randn(n, device=device, dtype=torch.float64) for n in (1, 97, 1025, 100_003)]
     grads = [torch.randn_like(a) for a in accs]
     expected = [a + 3.25 * g for a, g in zip(accs, grads)]
-    _C.multi_accumulate_(accs, grads, 3.25)
+    ops.multi_accumulate_(accs, grads, 3.25)
     for got, want in zip(accs, expected):
         torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
 
@@ -91,7 +86,7 @@ def test_accumulate_weight_one_is_exact_addition(device):
     acc = torch.randn(1025, device=device)
     grad = torch.randn(1025, device=device)
     expected = acc + grad
-    _C.multi_accumulate_([acc], [grad], 1.0)
+    ops.multi_accumulate_([acc], [grad], 1.0)
     assert torch.equal(acc, expected)
 
 
@@ -100,7 +95,7 @@ def test_accumulate_multidim_and_offsets_into_buffer(device):
     flat = torch.zeros(5000, device=device)
     accs = [flat[1:98].view(97), flat[100:1125].view(25, 41), flat[1200:1201]]
     grads = [torch.randn(a.shape, device=device).to(torch.bfloat16) for a in accs]
-    _C.multi_accumulate_(accs, grads, 2.0)
+    ops.multi_accumulate_(accs, grads, 2.0)
     for a, g in zip(accs, grads):
         torch.testing.assert_close(a, 2.0 * g.float(), rtol=0, atol=0)
     assert flat[:1].eq(0).all() and flat[98:100].eq(0).all() and flat[1201:].eq(0).all()
@@ -109,7 +104,7 @@ def test_accumulate_multidim_and_offsets_into_buffer(device):
 def test_accumulate_noncontiguous_grad_falls_back(device):
     acc = torch.zeros(8, 3, 5, 5, device=device)
     grad = torch.randn(8, 3, 5, 5, device=device).to(memory_format=torch.channels_last)
-    _C.multi_accumulate_([acc], [grad], 0.5)
+    ops.multi_accumulate_([acc], [grad], 0.5)
     torch.testing.assert_close(acc, 0.5 * grad)
 
 
@@ -118,7 +113,7 @@ def test_accumulate_noncontiguous_grad_falls_back(device):
 def test_scale(device, dtype, size):
     buf = torch.randn(size, device=device, dtype=dtype)
     expected = (buf.double() * 0.125).to(dtype)
-    _C.scale_(buf, 0.125)
+    ops.scale_(buf, 0.125)
     assert torch.equal(buf, expected)
 
 
@@ -128,14 +123,14 @@ def test_scale_check_finds_nonfinite_anywhere(device, bad, position):
     buf = torch.randn(1_000_003, device=device)
     buf[position] = bad
     flag = torch.zeros((), device=device)
-    _C.scale_check_(buf, 0.5, flag)
+    ops.scale_check_(buf, 0.5, flag)
     assert flag.item() == 1.0
 
 
 def test_scale_check_detects_overflow_of_the_product(device):
     buf = torch.full((97,), 3e38, device=device)
     flag = torch.zeros((), device=device)
-    _C.scale_check_(buf, 4.0, flag)
+    ops.scale_check_(buf, 4.0, flag)
     assert flag.item() == 1.0 and torch.isinf(buf).all()
 
 
@@ -143,15 +138,15 @@ def test_scale_check_clean_buffer_leaves_flag_and_factor_one_leaves_data(device)
     buf = torch.randn(1025, device=device)
     before = buf.clone()
     flag = torch.zeros((), device=device)
-    _C.scale_check_(buf, 1.0, flag)
+    ops.scale_check_(buf, 1.0, flag)
     assert flag.item() == 0.0 and torch.equal(buf, before)
-    _C.scale_check_(buf, 2.0, flag)
+    ops.scale_check_(buf, 2.0, flag)
     assert flag.item() == 0.0 and torch.equal(buf, before * 2)
 
 
 def test_scale_check_never_clears_a_set_flag(device):
     flag = torch.ones((), device=device)
-    _C.scale_check_(torch.randn(100, device=device), 1.0, flag)
+    ops.scale_check_(torch.randn(100, device=device), 1.0, flag)
     assert flag.item() == 1.0
 
 
@@ -178,20 +173,20 @@ _shared = torch.zeros(8)
 def test_accumulate_rejects_bad_arguments(accs, grads, message):
     before = [a.clone() for a in accs]
     with pytest.raises(RuntimeError, match=message):
-        _C.multi_accumulate_(accs, grads, 1.0)
+        ops.multi_accumulate_(accs, grads, 1.0)
     assert all(torch.equal(a, b) for a, b in zip(accs, before))
 
 
 def test_scale_rejects_bad_buffers():
     with pytest.raises(RuntimeError, match="buf must be float32 or float64"):
-        _C.scale_(torch.zeros(3, dtype=torch.bfloat16), 2.0)
+        ops.scale_(torch.zeros(3, dtype=torch.bfloat16), 2.0)
     with pytest.raises(RuntimeError, match="found_nonfinite must be a 0-dim float32"):
-        _C.scale_check_(torch.zeros(3), 2.0, torch.zeros(1))
+        ops.scale_check_(torch.zeros(3), 2.0, torch.zeros(1))
 
 
 def test_vector_path_selection_is_validated():
     with pytest.raises(RuntimeError, match="name must be 'avx2' or 'portable'"):
-        _C.set_cpu_vector_path("sse9")
+        ops.set_cpu_vector_path("sse9")
 
 
 def test_kernels_are_registered_as_torch_operators(device):
@@ -215,8 +210,8 @@ def test_overwrite_equals_accumulating_into_zero(device, grad_dtype, size):
     grad = torch.randn(size, device=device).to(grad_dtype)
     stale = torch.randn(size, device=device, dtype=acc_dtype)  # must not leak through
     zeroed = torch.zeros(size, device=device, dtype=acc_dtype)
-    _C.multi_accumulate_([stale], [grad], -0.3, overwrite=True)
-    _C.multi_accumulate_([zeroed], [grad], -0.3)
+    ops.multi_accumulate_([stale], [grad], -0.3, overwrite=True)
+    ops.multi_accumulate_([zeroed], [grad], -0.3)
     assert torch.equal(stale, zeroed)
     torch.testing.assert_close(stale, (-0.3 * grad.double()).to(acc_dtype))
 
@@ -224,5 +219,5 @@ def test_overwrite_equals_accumulating_into_zero(device, grad_dtype, size):
 def test_overwrite_noncontiguous_grad(device):
     acc = torch.randn(4, 3, 5, 5, device=device)
     grad = torch.randn(4, 3, 5, 5, device=device).bfloat16().to(memory_format=torch.channels_last)
-    _C.multi_accumulate_([acc], [grad], 0.1, overwrite=True)
+    ops.multi_accumulate_([acc], [grad], 0.1, overwrite=True)
     torch.testing.assert_close(acc, 0.1 * grad.float(), rtol=1e-6, atol=0)

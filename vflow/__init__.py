@@ -6,6 +6,7 @@ of a process group; each worker runs its VNs one after another, accumulating
 gradients in fused flat buffers, then all workers reduce and step once.
 """
 
+from vflow import ops
 from vflow._extension import _C
 from vflow._version import __version__
 from vflow.amp import LossScaler
@@ -35,6 +36,7 @@ __all__ = [
     "WorkerProfile",
     "__version__",
     "load",
+    "ops",
     "save",
     "split_sizes",
 ]

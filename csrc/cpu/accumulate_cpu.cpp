@@ -16,6 +16,7 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/irange.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -297,7 +298,17 @@ std::string cpu_vector_path() {
   return g_use_avx2.load() ? "avx2" : "portable";
 }
 
-void multi_accumulate_cpu(
+std::vector<std::string> cpu_vector_paths() {
+  if (cpu_has_avx2()) {
+    return {"avx2", "portable"};
+  }
+  return {"portable"};
+}
+
+namespace {
+
+// The fused pass over the pairs prepare_multi_accumulate left (Note [Kernel contracts]).
+void accumulate_pairs(
     const std::vector<at::Tensor>& accs,
     const std::vector<at::Tensor>& grads,
     double weight,
@@ -327,7 +338,23 @@ void multi_accumulate_cpu(
   });
 }
 
+// ---- Operator implementations (Note [One op surface] in ops.h) ----
+
+void multi_accumulate_cpu(
+    at::TensorList accs,
+    at::TensorList grads,
+    double weight,
+    bool overwrite) {
+  const FusedPairs fused = prepare_multi_accumulate(accs, grads, weight, overwrite);
+  if (!fused.accs.empty()) {
+    accumulate_pairs(fused.accs, fused.grads, weight, overwrite);
+  }
+}
+
 void scale_cpu(const at::Tensor& buf, double factor) {
+  if (!prepare_scale(buf, factor)) {
+    return;
+  }
   const bool avx2 = g_use_avx2.load(std::memory_order_relaxed);
   (void)avx2;
   at::parallel_for(0, buf.numel(), kGrainElems, [&](int64_t begin, int64_t end) {
@@ -345,6 +372,9 @@ void scale_cpu(const at::Tensor& buf, double factor) {
 }
 
 void scale_check_cpu(const at::Tensor& buf, double factor, const at::Tensor& found_nonfinite) {
+  if (!prepare_scale_check(buf, found_nonfinite)) {
+    return;
+  }
   const bool avx2 = g_use_avx2.load(std::memory_order_relaxed);
   (void)avx2;
   const bool write = factor != 1.0;
@@ -370,6 +400,14 @@ void scale_check_cpu(const at::Tensor& buf, double factor, const at::Tensor& fou
   if (any.load()) {
     found_nonfinite.fill_(1.0f);
   }
+}
+
+} // namespace
+
+TORCH_LIBRARY_IMPL(vflow, CPU, m) {
+  m.impl("multi_accumulate_", &multi_accumulate_cpu);
+  m.impl("scale_", &scale_cpu);
+  m.impl("scale_check_", &scale_check_cpu);
 }
 
 } // namespace vflow

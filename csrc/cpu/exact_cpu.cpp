@@ -8,6 +8,7 @@
 #include "cpu_common.h"
 
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <cstring>
 #include <type_traits>
@@ -200,29 +201,36 @@ void accumulate_typed(const at::Tensor& top, const at::Tensor& l0, const at::Ten
   });
 }
 
-} // namespace
+// ---- Operator implementations (Note [One op surface] in ../ops.h) ----
 
 void exact_accumulate_cpu(
     const at::Tensor& top, const at::Tensor& l0, const at::Tensor& l1, const at::Tensor& l2,
-    const at::Tensor& grad, double weight, bool fresh) {
-  switch (grad.scalar_type()) {
+    const at::Tensor& grad_in, double weight, bool fresh) {
+  const std::optional<at::Tensor> grad = prepare_exact_accumulate(top, l0, l1, l2, grad_in);
+  if (!grad) {
+    return;
+  }
+  switch (grad->scalar_type()) {
     case at::kFloat:
-      accumulate_typed<float>(top, l0, l1, l2, grad, weight, fresh);
+      accumulate_typed<float>(top, l0, l1, l2, *grad, weight, fresh);
       break;
     case at::kBFloat16:
-      accumulate_typed<c10::BFloat16>(top, l0, l1, l2, grad, weight, fresh);
+      accumulate_typed<c10::BFloat16>(top, l0, l1, l2, *grad, weight, fresh);
       break;
     case at::kHalf:
-      accumulate_typed<c10::Half>(top, l0, l1, l2, grad, weight, fresh);
+      accumulate_typed<c10::Half>(top, l0, l1, l2, *grad, weight, fresh);
       break;
     default:
-      TORCH_INTERNAL_ASSERT(false, "unexpected gradient dtype ", grad.scalar_type());
+      TORCH_INTERNAL_ASSERT(false, "unexpected gradient dtype ", grad->scalar_type());
   }
 }
 
 void exact_pack_cpu(
     const at::Tensor& local_top, const at::Tensor& global_top, const at::Tensor& l0,
     const at::Tensor& l1, const at::Tensor& l2, const at::Tensor& wire) {
+  if (!prepare_exact_pack(local_top, global_top, l0, l1, l2, wire)) {
+    return;
+  }
   const auto* local = local_top.const_data_ptr<int8_t>();
   const auto* global = global_top.const_data_ptr<int8_t>();
   const auto* a0 = l0.const_data_ptr<int32_t>();
@@ -238,6 +246,9 @@ void exact_pack_cpu(
 
 void exact_unpack_cpu(const at::Tensor& global_top, const at::Tensor& wire, const at::Tensor& out,
                       double factor) {
+  if (!prepare_exact_unpack(global_top, wire, out)) {
+    return;
+  }
   const auto* global = global_top.const_data_ptr<int8_t>();
   const auto* sums = wire.const_data_ptr<int64_t>();
   auto* values = out.data_ptr<float>();
@@ -246,6 +257,14 @@ void exact_unpack_cpu(const at::Tensor& global_top, const at::Tensor& wire, cons
       values[i] = exact::unpacked(global[i], sums[i], factor);
     }
   });
+}
+
+} // namespace
+
+TORCH_LIBRARY_IMPL(vflow, CPU, m) {
+  m.impl("exact_accumulate_", &exact_accumulate_cpu);
+  m.impl("exact_pack_", &exact_pack_cpu);
+  m.impl("exact_unpack_", &exact_unpack_cpu);
 }
 
 } // namespace vflow

@@ -1,4 +1,5 @@
-// CUDA backend of vflow's fused accumulation kernels (declared in ../ops.h).
+// CUDA backend of vflow's fused accumulation operators (schemas in ../torch_ops.cpp,
+// Note [One op surface] in ../ops.h).
 //
 // Note [Multi-tensor launch metadata]
 // A training step accumulates into one buffer per parameter: hundreds of tensors
@@ -48,6 +49,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <array>
@@ -364,14 +366,12 @@ void launch_multi_accumulate(
   }
 }
 
-} // namespace
-
 // Contract: Note [Kernel contracts] in ops.h. Pairs may mix gradient dtypes
 // (and accumulator dtypes); each (acc, grad) dtype combination gets its own
 // launches, see Note [Multi-tensor launch metadata]. Accumulators must also be
 // pairwise distinct, since pairs of one launch run concurrently. Enqueued on
 // the current stream of the tensors' device; never synchronises.
-void multi_accumulate_cuda(
+void accumulate_pairs(
     const std::vector<at::Tensor>& accs,
     const std::vector<at::Tensor>& grads,
     double weight,
@@ -439,15 +439,25 @@ void multi_accumulate_cuda(
   launch(double{}, c10::Half{}, kF64F16);
 }
 
-// Contract: `buf` is a contiguous, non-empty float32 or float64 CUDA tensor;
+// ---- Operator implementations (Note [One op surface] in ../ops.h) ----
+
+void multi_accumulate_cuda(
+    at::TensorList accs,
+    at::TensorList grads,
+    double weight,
+    bool overwrite) {
+  const FusedPairs fused = prepare_multi_accumulate(accs, grads, weight, overwrite);
+  accumulate_pairs(fused.accs, fused.grads, weight, overwrite);
+}
+
 // buf *= factor with the factor rounded to buf's dtype. factor == 1 launches
 // nothing (x * 1 == x for every x). Enqueued on the current stream; never
 // synchronises.
 void scale_cuda(const at::Tensor& buf, double factor) {
-  TORCH_INTERNAL_ASSERT(buf.is_cuda() && buf.is_contiguous() && buf.numel() > 0);
-  if (factor == 1.0) {
+  if (!prepare_scale(buf, factor)) {
     return;
   }
+  TORCH_INTERNAL_ASSERT(buf.is_cuda());
   const c10::cuda::CUDAGuard guard(buf.device());
   if (buf.scalar_type() == at::kFloat) {
     launch_scale<float, true, false>(buf, static_cast<float>(factor), nullptr);
@@ -457,16 +467,15 @@ void scale_cuda(const at::Tensor& buf, double factor) {
   }
 }
 
-// Contract: as scale_cuda, plus `found_nonfinite` is a 0-dim float32 tensor on
-// buf's device. One pass scales (unless factor == 1, where buf is only read)
-// and writes 1.0f into found_nonfinite if any resulting element is inf or
-// NaN; it never writes 0 (Note [Non-finite flag] in ops.h). Enqueued on the
-// current stream; never synchronises.
+// One pass scales (unless factor == 1, where buf is only read) and writes 1.0f
+// into found_nonfinite if any resulting element is inf or NaN; it never writes 0
+// (Note [Non-finite flag] in ops.h). Enqueued on the current stream; never
+// synchronises.
 void scale_check_cuda(const at::Tensor& buf, double factor, const at::Tensor& found_nonfinite) {
-  TORCH_INTERNAL_ASSERT(buf.is_cuda() && buf.is_contiguous() && buf.numel() > 0);
-  TORCH_INTERNAL_ASSERT(
-      found_nonfinite.device() == buf.device() && found_nonfinite.scalar_type() == at::kFloat &&
-      found_nonfinite.numel() == 1);
+  if (!prepare_scale_check(buf, found_nonfinite)) {
+    return;
+  }
+  TORCH_INTERNAL_ASSERT(buf.is_cuda());
   const c10::cuda::CUDAGuard guard(buf.device());
   float* flag = found_nonfinite.data_ptr<float>();
   const bool scale = factor != 1.0;
@@ -485,6 +494,14 @@ void scale_check_cuda(const at::Tensor& buf, double factor, const at::Tensor& fo
       launch_scale<double, false, true>(buf, factor, flag);
     }
   }
+}
+
+} // namespace
+
+TORCH_LIBRARY_IMPL(vflow, CUDA, m) {
+  m.impl("multi_accumulate_", &multi_accumulate_cuda);
+  m.impl("scale_", &scale_cuda);
+  m.impl("scale_check_", &scale_check_cuda);
 }
 
 } // namespace vflow

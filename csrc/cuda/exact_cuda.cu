@@ -1,6 +1,7 @@
-// CUDA backend of the exact accumulation kernels (Note [Exact accumulation] in
-// ../exact.h). The per-element arithmetic is the host/device code of exact.h, shared
-// with the CPU backend, so both compute the same integers for the same inputs.
+// CUDA backend of the exact accumulation operators (Note [Exact accumulation] in
+// ../exact.h; registration: Note [One op surface] in ../ops.h). The per-element
+// arithmetic is the host/device code of exact.h, shared with the CPU backend, so both
+// compute the same integers for the same inputs.
 // Each kernel is a grid-stride loop over one contiguous slice; these passes are
 // bound by memory traffic (1 + 12 bytes read-modify-written per gradient element),
 // and consecutive threads touch consecutive elements of every plane.
@@ -11,6 +12,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -88,32 +90,39 @@ void launch_accumulate(const at::Tensor& top, const at::Tensor& l0, const at::Te
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-} // namespace
+// ---- Operator implementations (Note [One op surface] in ../ops.h) ----
 
 void exact_accumulate_cuda(
     const at::Tensor& top, const at::Tensor& l0, const at::Tensor& l1, const at::Tensor& l2,
-    const at::Tensor& grad, double weight, bool fresh) {
-  TORCH_INTERNAL_ASSERT(top.is_cuda() && top.numel() > 0);
+    const at::Tensor& grad_in, double weight, bool fresh) {
+  const std::optional<at::Tensor> grad = prepare_exact_accumulate(top, l0, l1, l2, grad_in);
+  if (!grad) {
+    return;
+  }
+  TORCH_INTERNAL_ASSERT(top.is_cuda());
   const c10::cuda::CUDAGuard guard(top.device());
-  switch (grad.scalar_type()) {
+  switch (grad->scalar_type()) {
     case at::kFloat:
-      launch_accumulate<float>(top, l0, l1, l2, grad, weight, fresh);
+      launch_accumulate<float>(top, l0, l1, l2, *grad, weight, fresh);
       break;
     case at::kBFloat16:
-      launch_accumulate<c10::BFloat16>(top, l0, l1, l2, grad, weight, fresh);
+      launch_accumulate<c10::BFloat16>(top, l0, l1, l2, *grad, weight, fresh);
       break;
     case at::kHalf:
-      launch_accumulate<c10::Half>(top, l0, l1, l2, grad, weight, fresh);
+      launch_accumulate<c10::Half>(top, l0, l1, l2, *grad, weight, fresh);
       break;
     default:
-      TORCH_INTERNAL_ASSERT(false, "unexpected gradient dtype ", grad.scalar_type());
+      TORCH_INTERNAL_ASSERT(false, "unexpected gradient dtype ", grad->scalar_type());
   }
 }
 
 void exact_pack_cuda(
     const at::Tensor& local_top, const at::Tensor& global_top, const at::Tensor& l0,
     const at::Tensor& l1, const at::Tensor& l2, const at::Tensor& wire) {
-  TORCH_INTERNAL_ASSERT(local_top.is_cuda() && local_top.numel() > 0);
+  if (!prepare_exact_pack(local_top, global_top, l0, l1, l2, wire)) {
+    return;
+  }
+  TORCH_INTERNAL_ASSERT(local_top.is_cuda());
   const c10::cuda::CUDAGuard guard(local_top.device());
   const int64_t n = wire.numel();
   pack_kernel<<<blocks_for(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
@@ -125,13 +134,24 @@ void exact_pack_cuda(
 
 void exact_unpack_cuda(
     const at::Tensor& global_top, const at::Tensor& wire, const at::Tensor& out, double factor) {
-  TORCH_INTERNAL_ASSERT(global_top.is_cuda() && global_top.numel() > 0);
+  if (!prepare_exact_unpack(global_top, wire, out)) {
+    return;
+  }
+  TORCH_INTERNAL_ASSERT(global_top.is_cuda());
   const c10::cuda::CUDAGuard guard(global_top.device());
   const int64_t n = out.numel();
   unpack_kernel<<<blocks_for(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       global_top.const_data_ptr<int8_t>(), wire.const_data_ptr<int64_t>(),
       out.data_ptr<float>(), factor, n);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+} // namespace
+
+TORCH_LIBRARY_IMPL(vflow, CUDA, m) {
+  m.impl("exact_accumulate_", &exact_accumulate_cuda);
+  m.impl("exact_pack_", &exact_pack_cuda);
+  m.impl("exact_unpack_", &exact_unpack_cuda);
 }
 
 } // namespace vflow

@@ -33,12 +33,13 @@ from typing import Any
 import torch
 import torch.utils.benchmark as tbench
 
+from vflow import ops
 from vflow._extension import _C
 from vflow._version import __version__
 from vflow.bench.records import copy_limit_note, headline, measurement, target
 from vflow.table import format_table
 
-__all__ = ["Settings", "environment", "gradient_sizes", "run", "vflow_kernel"]
+__all__ = ["Settings", "environment", "gradient_sizes", "run"]
 
 # The weight of one of 8 equal VNs: a power of two, so the fused kernel and add_ compute
 # bit-identical products and the correctness check can ask for equality.
@@ -52,16 +53,6 @@ EXACT_NOTE = (
     "limit = the time the exact kernel's bytes (4 B read + 13 B read + 13 B written per "
     "element) take at the copy bandwidth measured in this run"
 )
-
-
-def vflow_kernel(name: str) -> Callable[..., Any]:
-    """vflow's fused kernel ``name`` (``multi_accumulate_``, ``scale_check_``,
-    ``exact_accumulate_``), taking the same arguments as ``vflow.ops.<name>``.
-
-    The one place this benchmark reaches the kernels, so that moving them to
-    ``vflow.ops`` changes this line only.
-    """
-    return getattr(_C, name)
 
 
 @dataclass(frozen=True)
@@ -154,7 +145,7 @@ def _accumulate_case(
     accs = [torch.zeros(n, device=device) for n in sizes]  # separate, as param.grad is
     flat = torch.zeros(sum(sizes), device=device)
     views = list(flat.split(sizes))
-    accumulate = vflow_kernel("multi_accumulate_")
+    accumulate = ops.multi_accumulate_
 
     def loop() -> None:
         for acc, grad in zip(accs, grads):
@@ -188,8 +179,8 @@ def _flat_case(numel: int, device: torch.device) -> dict[str, Callable[[], objec
     found = torch.zeros((), device=device)
     top = torch.zeros(numel, dtype=torch.int8, device=device)
     limbs = torch.zeros(3, numel, dtype=torch.int32, device=device)
-    scale_check, accumulate = vflow_kernel("scale_check_"), vflow_kernel("multi_accumulate_")
-    exact = vflow_kernel("exact_accumulate_")
+    scale_check, accumulate = ops.scale_check_, ops.multi_accumulate_
+    exact = ops.exact_accumulate_
     exact(top, *limbs, grad, WEIGHT, True)
     # Both scalings multiply buf by powers of two in turn (0.5, 2, 0.5, ...): its values
     # come back exactly every second call, however often the timer calls (a factor of 1
