@@ -88,7 +88,8 @@ buckets in their wire format handed to all-reduce: 4 bytes per float32 element; 
 point to point (phase 1 + phase 2); each plus the step statistics all-reduce
 (6V + 2 + 6W float64 values, ``vflow.step_stats``). DDP: 4 bytes per gradient element
 handed to all-reduce. A ring all-reduce moves about 2(W-1)/W times its payload over
-each rank's link (1x for W = 2), so with 2 ranks and the default plan vflow, ordered and DDP move the same bytes.
+each rank's link (1x for W = 2), so with 2 ranks and the default plan vflow, ordered and
+DDP move the same bytes.
 
 Correctness: after the timed steps all methods have taken the same number of steps on
 the same batches from the same parameters; the largest relative parameter difference
