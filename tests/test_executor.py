@@ -350,3 +350,35 @@ def test_step_accepts_this_workers_samples_with_global_batch_size():
             grads.append([p.grad.clone() for p in m.parameters()])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_num_items_is_the_int_batch_size_for_mean_losses_and_a_float_sum_otherwise():
+    model = models.TokenModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = models.padded_tokens(12)
+    with vflow.Executor(model, opt, models.token_sum_loss, virtual_nodes=3) as ex:
+        summed = ex.step(batch)
+    assert isinstance(summed.num_items, float) and summed.num_items == batch[2].sum().item()
+    model = models.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with vflow.Executor(model, opt, models.mean_ce, virtual_nodes=4) as ex:
+        mean = ex.step(models.classification_data(16))
+    assert type(mean.num_items) is int and mean.num_items == 16
+
+
+def test_infer_in_training_mode_warns_once_that_batchnorm_statistics_change(caplog):
+    model = models.bn_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 2, 5, 5)
+    with vflow.Executor(model, opt, models.mean_ce, virtual_nodes=2) as ex:
+        with caplog.at_level("WARNING", logger="vflow"):
+            ex.infer(x)
+            ex.infer(x)
+        warnings = [r for r in caplog.records if "training mode" in r.getMessage()]
+        assert len(warnings) == 1 and "model.eval()" in warnings[0].getMessage()
+        caplog.clear()
+        model.eval()
+        before = model[1].running_mean.clone()
+        ex.infer(x)
+        assert torch.equal(model[1].running_mean, before)
+        assert not caplog.records

@@ -101,8 +101,14 @@ def test_profiler_trace_shows_vflows_phases() -> None:
     names = {event.name for event in prof.events()}
     for expected in ("vflow::step", "vflow::forward", "vflow::backward", "vflow::optimizer"):
         assert expected in names, (expected, sorted(n for n in names if "vflow" in n))
-    # The C++ reducer's own ranges, recorded on autograd's thread and in finalize.
-    for expected in ("vflow::fold", "vflow::finalize", "vflow::start_reduction"):
+    # The C++ reducer's own ranges, recorded on autograd's thread and in finalize, and
+    # the kernels, which the reducer calls through the dispatcher (vflow.ops).
+    for expected in (
+        "vflow::fold",
+        "vflow::finalize",
+        "vflow::start_reduction",
+        "vflow::multi_accumulate_",
+    ):
         assert expected in names, (expected, sorted(n for n in names if "vflow" in n))
 
 

@@ -210,6 +210,9 @@ class Executor:
             timeout_s=config.timeout.total_seconds(),
             description=world.description,
         )
+        self._params = params
+        self._world = world
+        self._plan = plan
         try:
             reduction.apply_world(prepared)
             membership.join(
@@ -223,9 +226,6 @@ class Executor:
         except BaseException:
             self._grads.close()
             raise
-        self._params = params
-        self._world = world
-        self._plan = plan
         self._stats = StatsLayout(config.virtual_nodes, world.size)
         self._own_profile: WorkerProfile | None = None
         self._buffers = BufferRule(
@@ -397,8 +397,10 @@ class Executor:
     def _state_bytes(self) -> bytes:
         return membership.serialize(self.state_dict())
 
-    def _load_state_bytes(self, data: bytes) -> None:
+    def _load_state_bytes(self, data: bytes) -> Callable[[], None]:
+        before = training_state.copy_to_cpu(self.state_dict())
         self.load_state_dict(membership.deserialize(data), assign=True)
+        return lambda: self.load_state_dict(before, assign=True)
 
     # ---- training -------------------------------------------------------------------
 

@@ -82,12 +82,13 @@ def join(
     candidate: Candidate,
     *,
     state_bytes: Callable[[], bytes],
-    load_state: Callable[[bytes], None],
+    load_state: Callable[[bytes], Callable[[], None]],
     fresh_start: Callable[[], None],
 ) -> None:
     """Runs Note [Joining a worker set] for this rank. ``state_bytes`` (on the member
     that sends) serialises the training state; ``load_state`` (on a newcomer) applies
-    it; ``fresh_start`` runs when nobody is a member yet."""
+    it and returns what puts the newcomer's own state back, should another newcomer
+    fail; ``fresh_start`` runs when nobody is a member yet."""
     extra = [int(candidate.member), candidate.step_count, fingerprint(candidate.progress)]
     rows = check_agreement(world, columns, extra)
     members = [r for r, (member, _, _) in enumerate(rows) if member]
@@ -112,7 +113,7 @@ def _send_state(
     source: int,
     member: bool,
     state_bytes: Callable[[], bytes],
-    load_state: Callable[[bytes], None],
+    load_state: Callable[[bytes], Callable[[], None]],
 ) -> None:
     payload = state_bytes() if world.rank == source else b""
     size = torch.tensor([len(payload)], dtype=torch.int64)
@@ -123,16 +124,24 @@ def _send_state(
         data = torch.empty(int(size), dtype=torch.uint8)
     world.broadcast_from(source, [data], "broadcast of the training state to new members", None)
     error: Exception | None = None
+    undo: Callable[[], None] | None = None
     if not member:
         try:
-            load_state(data.numpy().tobytes())
+            undo = load_state(data.numpy().tobytes())
         except Exception as e:
             error = e
-    flags = world.gather_ints([int(error is None)], "checking that new members loaded", None)
+    try:
+        flags = world.gather_ints([int(error is None)], "checking that new members loaded", None)
+    except BaseException:
+        if undo is not None:
+            undo()
+        raise
     if error is not None:
         raise error
     failed = [r for r, (ok,) in enumerate(flags) if not ok]
     if failed:
+        if undo is not None:
+            undo()
         raise RuntimeError(
             f"rank(s) {failed} of {world.description} could not load the training state sent "
             "to new members (their errors say why); the worker set was not changed"
