@@ -612,7 +612,7 @@ def summarise(
         # about 2 (W - 1) / W times it over each rank's link) or sent point to point
         # (deterministic, i.e. the ordered kind).
         "bytes_per_step": nbytes,
-        "stats_bytes_per_step": (2 * cfg.virtual_nodes + 2) * 8,
+        "stats_bytes_per_step": StatsLayout(cfg.virtual_nodes, WORLD_SIZE).numel * 8,
         "vflow_median_s": median(v_step),
         "ddp_median_s": median(d_step),
         "vflow_iqr_s": iqr(v_step),

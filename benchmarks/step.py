@@ -131,12 +131,12 @@ class HandLoop:
     def step(self, batch: Batch) -> tuple[float, dict[str, float]]:
         total = batch[0].shape[0]
         clock = StepClock(self.device)
-        start = clock.mark()
+        step_start = clock.mark()
         loss_sum = torch.zeros((), device=self.device)
-        start = 0
+        offset = 0
         for size in split_sizes(total, self.virtual_nodes):
-            vn = slice_batch(batch, start, start + size)
-            start += size
+            vn = slice_batch(batch, offset, offset + size)
+            offset += size
             loss = cross_entropy(self.model, vn) * (size / total)
             loss.backward()
             loss_sum += loss.detach()
@@ -148,7 +148,7 @@ class HandLoop:
         end = clock.mark()
         clock.finish(end)
         return value, {
-            "forward_backward": clock.seconds(start, backward_end),
+            "forward_backward": clock.seconds(step_start, backward_end),
             "optimizer": clock.seconds(backward_end, end),
         }
 

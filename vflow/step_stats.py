@@ -147,11 +147,10 @@ def local_totals(
     """(loss total, item total, invalid item counts) of a single worker's VNs, added in
     VN order as ``decode`` adds them. The products are float64 (Python floats) of the
     same operands as ``encode``'s, so the bits are those of the statistics path."""
-    detached = [t.detach() for t in losses]
-    if all(t.dtype == detached[0].dtype for t in detached):
-        values = torch.stack(detached).tolist()
+    if len(losses) <= 4 or any(t.dtype != losses[0].dtype for t in losses):
+        values = [t.item() for t in losses]  # fewer calls than a stack for a few VNs
     else:
-        values = [float(t) for t in detached]
+        values = torch.stack([t.detach() for t in losses]).tolist()
     loss_total = 0.0
     for value, weight in zip(values, weights, strict=True):
         loss_total += value * weight
