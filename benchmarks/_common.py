@@ -24,6 +24,7 @@ import torch.utils.benchmark as tbench
 
 import vflow
 from vflow import _C, ops
+from vflow.bench import cli as bench_cli
 from vflow.table import format_table as format_table  # the scripts' tables: one formatter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -60,23 +61,11 @@ def apply_threads(threads: int | None) -> None:
 
 
 def pick_device(name: str | None) -> torch.device:
-    if name is None:
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit(f"--device {name}: torch sees no CUDA device")
-        if not ops.built_with_cuda():
-            raise SystemExit(
-                f"--device {name}: this build of vflow has no CUDA kernels (vflow.ops."
-                "built_with_cuda() is False); rebuild it against a CUDA build of torch"
-            )
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(device)
-    elif device.type != "cpu":
-        raise SystemExit(f"--device {name}: only cpu and cuda are supported")
-    return device
+    """The device a ``--device`` option names (vflow.bench.cli's rules), or exit."""
+    try:
+        return bench_cli.pick_device(name)
+    except bench_cli.BenchError as e:
+        raise SystemExit(str(e)) from None
 
 
 def synchronize(device: torch.device) -> None:

@@ -37,19 +37,20 @@ c10::intrusive_ptr<c10d::Work> Comm::all_reduce(at::Tensor tensor, const std::st
 
 c10::intrusive_ptr<c10d::Work> Comm::send(at::Tensor tensor, int64_t peer, int tag,
                                           const std::string& what) {
-  std::vector<at::Tensor> tensors{std::move(tensor)};
-  try {
-    return group_->send(tensors, static_cast<int>(peer), tag);
-  } catch (const std::exception& e) {
-    fail("starting the " + what, error_text(e));
-  }
+  return point_to_point(/*send=*/true, std::move(tensor), peer, tag, what);
 }
 
 c10::intrusive_ptr<c10d::Work> Comm::recv(at::Tensor tensor, int64_t peer, int tag,
                                           const std::string& what) {
+  return point_to_point(/*send=*/false, std::move(tensor), peer, tag, what);
+}
+
+c10::intrusive_ptr<c10d::Work> Comm::point_to_point(bool send, at::Tensor tensor, int64_t peer,
+                                                    int tag, const std::string& what) {
   std::vector<at::Tensor> tensors{std::move(tensor)};
   try {
-    return group_->recv(tensors, static_cast<int>(peer), tag);
+    return send ? group_->send(tensors, static_cast<int>(peer), tag)
+                : group_->recv(tensors, static_cast<int>(peer), tag);
   } catch (const std::exception& e) {
     fail("starting the " + what, error_text(e));
   }

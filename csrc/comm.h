@@ -59,6 +59,9 @@ class Comm {
   [[noreturn]] void fail(const std::string& what, const std::string& cause) const;
 
  private:
+  c10::intrusive_ptr<c10d::Work> point_to_point(bool send, at::Tensor tensor, int64_t peer,
+                                                int tag, const std::string& what);
+
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   std::chrono::milliseconds timeout_;
   std::string description_;

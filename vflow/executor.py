@@ -198,6 +198,7 @@ class Executor:
         self._gathered_profile: StepProfile | None = None
         self._device = params[0].device
         self._devices = sorted({p.device for p in params}, key=str)
+        self._generators = rng.generators(self._devices)
         self._batches = VNBatchSource(bool(config.deterministic), vn_transform)
         self._grads = GradStore(
             model,
@@ -426,7 +427,7 @@ class Executor:
         if buffers is not None:
             buffers.begin_step()
         try:
-            with profiled("vflow::step", run.profiling), rng.preserved_rng(self._devices):
+            with profiled("vflow::step", run.profiling), rng.preserved_rng(self._generators):
                 run.vns(self._vn_batches(batch, slices), self._autocast)
                 run.reduce()
                 if self._world.distributed and buffers is not None:
@@ -527,7 +528,7 @@ class Executor:
             forward_fn,
             seed=self.seed,
             step=self.step_count,
-            devices=self._devices,
+            generators=self._generators,
             autocast=self._autocast,
         )
         if not self._world.distributed or not gather:

@@ -37,7 +37,7 @@ def run(
     *,
     seed: int,
     step: int,
-    devices: list[torch.device],
+    generators: list[torch.Generator],
     autocast: Callable[[], contextlib.AbstractContextManager] | None,
 ) -> Any:
     """This worker's outputs for its VN ``slices`` of ``batch``, concatenated in VN
@@ -45,9 +45,9 @@ def run(
     forward = default_forward if forward_fn is None else forward_fn
     seeds = rng.vn_seeds(seed, step, [s.vn for s in slices], rng.INFER_STREAM)
     outputs = []
-    with rng.preserved_rng(devices):
+    with rng.preserved_rng(generators):
         for (_, start, size), vn_seed in zip(slices, seeds, strict=True):
-            rng.seed_all(vn_seed, devices)
+            rng.seed_all(vn_seed, generators)
             with contextlib.nullcontext() if autocast is None else autocast():
                 outputs.append(forward(model, slice_batch(batch, start, start + size)))
     return concat_outputs(outputs)

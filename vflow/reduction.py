@@ -34,7 +34,7 @@ _FLAT = VNPlacement(0, 0)
 
 
 class Reduction:
-    """The default strategy: one all-reduce (SUM) per bucket."""
+    """A strategy; this base is the default one: one all-reduce (SUM) per bucket."""
 
     kind = "all-reduce"
 
@@ -64,7 +64,24 @@ class Reduction:
         return _FLAT
 
 
-class OrderedTreeSum(Reduction):
+class _Deterministic(Reduction):
+    """A kind whose sum does not depend on the mapping of VNs onto workers."""
+
+    def check_support(
+        self,
+        params: list[torch.nn.Parameter],
+        accumulate_dtype: torch.dtype,
+        virtual_nodes: int,
+    ) -> None:
+        if any(p.is_cuda for p in params) and not torch.are_deterministic_algorithms_enabled():
+            _log.warning(
+                "vflow: deterministic=True on CUDA also needs deterministic kernels in the "
+                "model: call torch.use_deterministic_algorithms(True) (see "
+                "docs/reproducibility.md)"
+            )
+
+
+class OrderedTreeSum(_Deterministic):
     """deterministic="ordered": float sums in one fixed tree over the VN indices
     (Note [Ordered sum], csrc/reduction/ordered.cpp; the tree in vflow.tree)."""
 
@@ -76,14 +93,6 @@ class OrderedTreeSum(Reduction):
 
     def _make_native(self) -> _C.Reduction:
         return _C.OrderedSum()
-
-    def check_support(
-        self,
-        params: list[torch.nn.Parameter],
-        accumulate_dtype: torch.dtype,
-        virtual_nodes: int,
-    ) -> None:
-        _warn_cuda_determinism(params)
 
     def prepare_world(self, plan: Plan, rank: int) -> tree.TreeSchedule:
         ranges = [(plan.vns(w).start, plan.vns(w).stop) for w in range(plan.num_workers)]
@@ -100,7 +109,7 @@ class OrderedTreeSum(Reduction):
         return VNPlacement(step.level, step.merges)
 
 
-class ExactSum(Reduction):
+class ExactSum(_Deterministic):
     """deterministic="exact": exact integer sums (Note [Exact buckets],
     csrc/reduction/exact_sum.cpp)."""
 
@@ -115,7 +124,7 @@ class ExactSum(Reduction):
         accumulate_dtype: torch.dtype,
         virtual_nodes: int,
     ) -> None:
-        _warn_cuda_determinism(params)
+        super().check_support(params, accumulate_dtype, virtual_nodes)
         if accumulate_dtype != torch.float32:
             raise ValueError(
                 f'deterministic="exact" sums gradients exactly and converts them to float32 once; '
@@ -141,12 +150,3 @@ def for_kind(deterministic: Deterministic) -> Reduction:
     if deterministic == "exact":
         return ExactSum()
     return Reduction()
-
-
-def _warn_cuda_determinism(params: list[torch.nn.Parameter]) -> None:
-    if any(p.is_cuda for p in params) and not torch.are_deterministic_algorithms_enabled():
-        _log.warning(
-            "vflow: deterministic=True on CUDA also needs deterministic kernels in the "
-            "model: call torch.use_deterministic_algorithms(True) (see "
-            "docs/reproducibility.md)"
-        )

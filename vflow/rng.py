@@ -9,9 +9,6 @@ random draws the training script makes between steps.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -49,24 +46,29 @@ def generators(devices: list[torch.device]) -> list[torch.Generator]:
     return [torch.default_generator] + [torch.cuda.default_generators[i] for i in indices]
 
 
-def seed_all(value: int, devices: list[torch.device]) -> None:
-    """Seeds the CPU generator and those of the given CUDA devices.
+def seed_all(value: int, generators: list[torch.Generator]) -> None:
+    """Seeds ``generators`` (from ``generators(devices)``).
 
     torch.manual_seed would also queue a lazy seeding of every CUDA device, which
     records a Python traceback each time: milliseconds per VN on a small model.
     """
-    for generator in generators(devices):
+    for generator in generators:
         generator.manual_seed(value)
 
 
-@contextlib.contextmanager
-def preserved_rng(devices: list[torch.device]) -> Iterator[None]:
-    """Restores the CPU and the given CUDA devices' RNG states on exit (what
-    torch.random.fork_rng does, without its per-call device bookkeeping)."""
-    saved = generators(devices)
-    states = [g.get_state() for g in saved]
-    try:
-        yield
-    finally:
-        for generator, state in zip(saved, states, strict=True):
+class preserved_rng:
+    """Restores ``generators``' states on exit (what torch.random.fork_rng does, without
+    its per-call device bookkeeping: this runs once per step)."""
+
+    __slots__ = ("_generators", "_states")
+
+    def __init__(self, generators: list[torch.Generator]) -> None:
+        self._generators = generators
+        self._states: list[torch.Tensor] = []
+
+    def __enter__(self) -> None:
+        self._states = [g.get_state() for g in self._generators]
+
+    def __exit__(self, *exc: object) -> None:
+        for generator, state in zip(self._generators, self._states, strict=True):
             generator.set_state(state)

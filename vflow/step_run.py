@@ -65,7 +65,7 @@ class StepRun:
         ex, clock, grads = self.ex, self.clock, self.ex._grads
         reducer, placement = grads.reducer, grads.reduction.placement
         loss_fn, model, profiling = ex.loss_fn, ex.model, self.profiling
-        generators = rng.generators(ex._devices)
+        generators = ex._generators
         module_buffers = ex._buffers if ex._buffers.has_buffers else None
         distributed = ex._world.distributed
         seeds = rng.vn_seeds(ex.seed, ex.step_count, [s.vn for s in self.slices])

@@ -5,15 +5,7 @@
 // whatever each worker's number or size of VNs.
 #include "reduction.h"
 
-#include <c10/util/irange.h>
-
 namespace vflow {
-
-void AllReduceSum::bind(const std::vector<std::shared_ptr<GradBuffer>>& buffers,
-                        const std::vector<BucketInfo>& buckets) {
-  Reduction::bind(buffers, buckets);
-  works_.assign(buckets.size(), {});
-}
 
 void AllReduceSum::fold(const BucketInfo& bucket, const std::vector<int64_t>& slots,
                         std::vector<at::Tensor>& grads, double weight, bool first) {
@@ -28,25 +20,6 @@ void AllReduceSum::start(size_t index, Comm& comm) {
   if (comm.reduces()) {
     works_[index] = comm.all_reduce(buckets_[index].flat, bucket_name(index));
   }
-}
-
-void AllReduceSum::wait_all(Comm& comm) {
-  for (const auto b : c10::irange(works_.size())) {
-    auto work = std::move(works_[b]);
-    if (work) {
-      comm.wait(work, bucket_name(b));
-    }
-  }
-}
-
-std::vector<c10::intrusive_ptr<c10d::Work>> AllReduceSum::take_in_flight() {
-  std::vector<c10::intrusive_ptr<c10d::Work>> out;
-  for (auto& work : works_) {
-    if (work) {
-      out.push_back(std::move(work));
-    }
-  }
-  return out;
 }
 
 int64_t AllReduceSum::bytes_per_step(const Comm& comm) const {

@@ -45,7 +45,6 @@ void ExactSum::bind(const std::vector<std::shared_ptr<GradBuffer>>& buffers,
                        at::zeros({numel}, options.dtype(at::kChar)),
                        at::zeros({numel}, options.dtype(at::kLong))});
   }
-  works_.assign(buckets.size(), {});
 }
 
 at::Tensor ExactSum::slice(const at::Tensor& plane, const BucketInfo& bucket) const {
@@ -95,15 +94,6 @@ void ExactSum::start(size_t index, Comm& comm) {
   }
 }
 
-void ExactSum::wait_all(Comm& comm) {
-  for (const auto b : c10::irange(works_.size())) {
-    auto work = std::move(works_[b]);
-    if (work) {
-      comm.wait(work, bucket_name(b));
-    }
-  }
-}
-
 double ExactSum::write_result(double factor) {
   for (const auto& bucket : buckets_) {
     const State& state = states_[bucket.buffer];
@@ -111,16 +101,6 @@ double ExactSum::write_result(double factor) {
                   slice(state.wire, bucket), bucket.flat, factor);
   }
   return 1.0;  // applied by the unpacking
-}
-
-std::vector<c10::intrusive_ptr<c10d::Work>> ExactSum::take_in_flight() {
-  std::vector<c10::intrusive_ptr<c10d::Work>> out;
-  for (auto& work : works_) {
-    if (work) {
-      out.push_back(std::move(work));
-    }
-  }
-  return out;
 }
 
 int64_t ExactSum::bytes_per_step(const Comm& comm) const {

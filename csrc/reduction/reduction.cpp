@@ -1,6 +1,7 @@
 #include "reduction.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/irange.h>
 
 #include <sstream>
 
@@ -13,6 +14,26 @@ void Reduction::bind(const std::vector<std::shared_ptr<GradBuffer>>& buffers,
   TORCH_CHECK(!buffers.empty(), "a reduction needs at least one buffer");
   buffers_ = buffers;
   buckets_ = buckets;
+  works_.assign(buckets.size(), {});
+}
+
+void Reduction::wait_all(Comm& comm) {
+  for (const auto b : c10::irange(works_.size())) {
+    auto work = std::move(works_[b]);
+    if (work) {
+      comm.wait(work, bucket_name(b));
+    }
+  }
+}
+
+std::vector<c10::intrusive_ptr<c10d::Work>> Reduction::take_in_flight() {
+  std::vector<c10::intrusive_ptr<c10d::Work>> out;
+  for (auto& work : works_) {
+    if (work) {
+      out.push_back(std::move(work));
+    }
+  }
+  return out;
 }
 
 void Reduction::begin_step() {

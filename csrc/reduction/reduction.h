@@ -89,15 +89,16 @@ class Reduction {
   // Bucket `index` holds this worker's final value for the step: start reducing it.
   virtual void start(size_t index, Comm& comm) = 0;
   // Blocks until every bucket's reduction is complete (the time the Reducer reports
-  // as waiting).
-  virtual void wait_all(Comm& comm) = 0;
+  // as waiting). By default: waits for each bucket's collective in `works_`.
+  virtual void wait_all(Comm& comm);
   // Writes the reduced sums into the float buffers, applying `factor` if it can;
   // returns the factor still to apply.
   virtual double write_result(double factor) {
     return factor;
   }
-  // The collectives still in flight after a failure, which the strategy forgets.
-  virtual std::vector<c10::intrusive_ptr<c10d::Work>> take_in_flight() = 0;
+  // The collectives still in flight after a failure, which the strategy forgets. By
+  // default: those in `works_`.
+  virtual std::vector<c10::intrusive_ptr<c10d::Work>> take_in_flight();
   // Bytes of gradient this worker hands to the backend per step under `comm` (0 when
   // there is no one to reduce with).
   virtual int64_t bytes_per_step(const Comm& comm) const = 0;
@@ -107,6 +108,9 @@ class Reduction {
 
   std::vector<std::shared_ptr<GradBuffer>> buffers_;
   std::vector<BucketInfo> buckets_;
+  // [bucket]: the collective that finishes the bucket's reduction, for strategies that
+  // end a bucket with one (all-reduce, exact).
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
 
  private:
   bool in_step_ = false;
@@ -117,18 +121,11 @@ class AllReduceSum final : public Reduction {
   std::string kind() const override {
     return "all-reduce";
   }
-  void bind(const std::vector<std::shared_ptr<GradBuffer>>& buffers,
-            const std::vector<BucketInfo>& buckets) override;
   void fold(const BucketInfo& bucket, const std::vector<int64_t>& slots,
             std::vector<at::Tensor>& grads, double weight, bool first) override;
   void zero(const BucketInfo& bucket, int64_t begin, int64_t numel) override;
   void start(size_t index, Comm& comm) override;
-  void wait_all(Comm& comm) override;
-  std::vector<c10::intrusive_ptr<c10d::Work>> take_in_flight() override;
   int64_t bytes_per_step(const Comm& comm) const override;
-
- private:
-  std::vector<c10::intrusive_ptr<c10d::Work>> works_;  // [bucket]
 };
 
 class OrderedSum final : public Reduction {
@@ -198,9 +195,7 @@ class ExactSum final : public Reduction {
             std::vector<at::Tensor>& grads, double weight, bool first) override;
   void zero(const BucketInfo& bucket, int64_t begin, int64_t numel) override;
   void start(size_t index, Comm& comm) override;
-  void wait_all(Comm& comm) override;
   double write_result(double factor) override;
-  std::vector<c10::intrusive_ptr<c10d::Work>> take_in_flight() override;
   int64_t bytes_per_step(const Comm& comm) const override;
 
  private:
@@ -215,7 +210,6 @@ class ExactSum final : public Reduction {
   at::Tensor slice(const at::Tensor& plane, const BucketInfo& bucket) const;
 
   std::vector<State> states_;  // [buffer]
-  std::vector<c10::intrusive_ptr<c10d::Work>> works_;  // [bucket]
   bool reduced_ = false;  // the last step's sums came from a group (global top bins)
 };
 

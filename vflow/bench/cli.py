@@ -115,6 +115,8 @@ def pick_device(name: str | None) -> torch.device:
                 f"--device {name}: this build of vflow has no CUDA kernels; rebuild it "
                 "against a CUDA build of torch"
             )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     elif device.type != "cpu":
         raise BenchError(f"--device {name}: only cpu and cuda are supported")
