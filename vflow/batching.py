@@ -49,12 +49,33 @@ def _leaves(batch: Batch, path: str) -> list[tuple[str, torch.Tensor]]:
     )
 
 
+def _common_size(batch: Batch) -> int | None:
+    """The dim-0 size every leaf of ``batch`` shares, or None when the batch is not a
+    valid one (then ``batch_size`` walks it again to say why). Checked once per step:
+    no leaf paths are built on this path."""
+    if type(batch) is torch.Tensor:
+        return int(batch.shape[0]) if batch.dim() > 0 else None
+    if not isinstance(batch, (tuple, list, Mapping)):
+        return None
+    children = batch.values() if isinstance(batch, Mapping) else batch
+    size = None
+    for child in children:
+        child_size = _common_size(child)
+        if child_size is None or (size is not None and child_size != size):
+            return None
+        size = child_size
+    return size
+
+
 def batch_size(batch: Batch, name: str = "batch") -> int:
     """Number of samples in ``batch``; validates its structure.
 
     Raises TypeError for non-tensor leaves and ValueError for an empty structure, a
     0-dim leaf, or leaves whose dim-0 sizes differ.
     """
+    size = _common_size(batch)
+    if size is not None:
+        return size
     leaves = _leaves(batch, name)
     if not leaves:
         raise ValueError(f"{name} holds no tensors")
