@@ -129,7 +129,9 @@ class StepRun:
             sum_workers, bad_items = stats.sum_workers, stats.bad_items
             self.gathered_profile = stats.profile
         else:
-            loss_total, items_total, bad_items = local_totals(self.losses, self.weights, self.items)
+            loss_total, items_total, bad_items = local_totals(
+                self.losses, self.weights, self.items if self.kind == "sum" else None
+            )
             sum_workers = 1.0 if self.kind == "sum" else 0.0
         self.stats_wait = time.perf_counter() - waited
         losses.check_worker_kinds(sum_workers, ex.world_size)

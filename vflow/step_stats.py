@@ -142,11 +142,12 @@ class StatsLayout:
 
 
 def local_totals(
-    losses: list[torch.Tensor], weights: list[float], items: list[torch.Tensor | float]
+    losses: list[torch.Tensor], weights: list[float], items: list[torch.Tensor | float] | None
 ) -> tuple[float, float, float]:
     """(loss total, item total, invalid item counts) of a single worker's VNs, added in
     VN order as ``decode`` adds them. The products are float64 (Python floats) of the
-    same operands as ``encode``'s, so the bits are those of the statistics path."""
+    same operands as ``encode``'s, so the bits are those of the statistics path.
+    ``items``: the VNs' num_items of summed losses, None for mean losses."""
     if len(losses) <= 4 or any(t.dtype != losses[0].dtype for t in losses):
         values = [t.item() for t in losses]  # fewer calls than a stack for a few VNs
     else:
@@ -156,7 +157,7 @@ def local_totals(
         loss_total += value * weight
     items_total = 0.0
     bad = 0.0
-    for value in items:
+    for value in items or ():
         number = float(value)
         items_total += number
         if not number >= 0 or number == math.inf:
