@@ -159,5 +159,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reduce_as_is", &Reducer::reduce_as_is, py::arg("step"),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("last_wait_seconds", &Reducer::last_wait_seconds)
+      .def_property_readonly("comm_failure", &Reducer::comm_failure)
       .def_property_readonly("early_launches", &Reducer::early_launches);
 }

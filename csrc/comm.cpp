@@ -70,7 +70,8 @@ void Comm::fail(const std::string& what, const std::string& cause) const {
   out << "vflow step " << step_ << ": " << what << " on " << description_
       << " failed or timed out (timeout " << static_cast<double>(timeout_.count()) / 1000.0
       << " s): " << cause;
-  throw CollectiveError(out.str());
+  last_failure_ = out.str();
+  throw CollectiveError(last_failure_);
 }
 
 } // namespace vflow

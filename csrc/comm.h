@@ -57,6 +57,15 @@ class Comm {
   // Waits at most the timeout; a failure throws CollectiveError.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) const;
   [[noreturn]] void fail(const std::string& what, const std::string& cause) const;
+  // The message of the latest failure since `clear_failure`, empty if none. A failure
+  // inside an autograd hook reaches Python as a plain RuntimeError (autograd does not
+  // know CollectiveError), so the caller asks here whether it was the group's.
+  const std::string& last_failure() const {
+    return last_failure_;
+  }
+  void clear_failure() {
+    last_failure_.clear();
+  }
 
  private:
   c10::intrusive_ptr<c10d::Work> point_to_point(bool send, at::Tensor tensor, int64_t peer,
@@ -68,6 +77,7 @@ class Comm {
   int64_t rank_ = 0;
   int64_t size_ = 1;
   int64_t step_ = 0;
+  mutable std::string last_failure_;
 };
 
 // Issues one pair of ranks' transfers in an order both sides agree on: backends that

@@ -143,6 +143,7 @@ void Reducer::begin_step(int64_t step) {
   in_step_ = true;
   last_vn_ = false;
   comm_.set_step(step);
+  comm_.clear_failure();
   reduction_->begin_step();
 }
 

@@ -183,6 +183,13 @@ class Reducer final : public GradSink {
   // the sums of whatever they held. Not during a step.
   void reduce_as_is(int64_t step);
 
+  // The message of the step's collective failure, empty if none: a failure raised in
+  // an autograd hook reaches Python as a RuntimeError, which the caller turns back
+  // into CollectiveError with this.
+  std::string comm_failure() const {
+    return comm_.last_failure();
+  }
+
   // Host seconds the last finalize spent blocked on collectives (the reduction time
   // that backward did not hide).
   double last_wait_seconds() const {

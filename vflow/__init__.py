@@ -6,7 +6,7 @@ of a process group; each worker runs its VNs one after another, accumulating
 gradients in fused flat buffers, then all workers reduce and step once.
 """
 
-from vflow import ops
+from vflow import elastic, ops
 from vflow._extension import _C
 from vflow._version import __version__
 from vflow.amp import LossScaler
@@ -35,6 +35,7 @@ __all__ = [
     "VNTransform",
     "WorkerProfile",
     "__version__",
+    "elastic",
     "load",
     "ops",
     "save",

@@ -7,12 +7,13 @@ import sys
 COMMANDS = {
     "demo": "train a small CNN on scikit-learn's digits with virtual nodes",
     "bench": "kernel-throughput microbenchmarks (the full suite: benchmarks/run.py)",
+    "rendezvous": "host the rendezvous store of elastic jobs (vflow.elastic)",
 }
 
 
 def usage() -> str:
     lines = ["usage: python -m vflow <command> [options]  (or --version)", "", "commands:"]
-    lines += [f"  {name:<8}{help_text}" for name, help_text in COMMANDS.items()]
+    lines += [f"  {name:<12}{help_text}" for name, help_text in COMMANDS.items()]
     lines += ["", "python -m vflow <command> --help shows a command's options."]
     return "\n".join(lines)
 
@@ -47,6 +48,10 @@ def main(argv: list[str]) -> int:
         from vflow import bench
 
         return bench.main(rest)
+    if command == "rendezvous":
+        from vflow import rendezvous
+
+        return rendezvous.main(rest)
     from vflow import demo
 
     return demo.main(rest)

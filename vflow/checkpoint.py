@@ -88,6 +88,15 @@ def save(path: str | os.PathLike[str], ex: Executor, extra: Any = None) -> None:
         )
 
 
+def save_local(path: str | os.PathLike[str], ex: Executor, extra: Any = None) -> None:
+    """Writes ``ex``'s state and ``extra`` to ``path`` atomically from this process
+    alone, without a collective: for a worker whose group is broken (vflow.elastic
+    leaves a checkpoint this way when too few workers remain). ``load`` reads it."""
+    path = _check_path(path, "vflow.checkpoint.save_local")
+    _check_executor(ex, "vflow.checkpoint.save_local")
+    _save_here(path, ex, extra)
+
+
 def load(path: str | os.PathLike[str], ex: Executor, map_location: Any = None) -> Any:
     """Loads a checkpoint written by ``save`` into ``ex`` and returns its ``extra``.
 

@@ -189,10 +189,13 @@ class VNBatchSampler(Sampler[list[int]]):
     # ---- iteration -----------------------------------------------------------------
 
     def _order(self) -> torch.Tensor:
+        return self._order_of(self._epoch)
+
+    def _order_of(self, epoch: int) -> torch.Tensor:
         if not self._shuffle:
             return torch.arange(self._dataset_size)
         gen = torch.Generator()
-        gen.manual_seed(vn_seed(self._seed, self._epoch, 0, stream=_DATA_STREAM))
+        gen.manual_seed(vn_seed(self._seed, epoch, 0, stream=_DATA_STREAM))
         return torch.randperm(self._dataset_size, generator=gen)
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -212,6 +215,25 @@ class VNBatchSampler(Sampler[list[int]]):
         """Global batches per epoch under the current plan (the same for every rank)."""
         full, rest = divmod(self._dataset_size, self._batch_size)
         return full + (rest > 0 and _keeps_short(self._plan, rest, self._drop_last))
+
+    def step_indices(self, step: int) -> tuple[list[int], int]:
+        """This worker's sample indices of the global batch that training step ``step``
+        (0, 1, ... over all epochs) uses, under the current plan and rank, and that
+        batch's size B over all workers.
+
+        Step ``step`` reads global batch ``step % len(self)`` of epoch
+        ``step // len(self)``: the data position follows the step count alone, so a
+        job that changes its workers or plan between steps (``set_plan``; vflow.elastic)
+        uses every sample of every epoch exactly once, whoever computes it. Does not
+        change ``epoch``."""
+        step = require_int("step", step, minimum=0)
+        per_epoch = len(self)
+        epoch, index = divmod(step, per_epoch)
+        order = self._order_of(epoch)
+        size = self.global_batch_size(index)
+        start = index * self._batch_size
+        lo, hi = self._plan.worker_range(self._rank, size)
+        return order[start + lo : start + hi].tolist(), size
 
     def global_batch_size(self, index: int) -> int:
         """Samples in global batch ``index`` of an epoch, over all workers: B, except for

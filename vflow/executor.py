@@ -193,6 +193,7 @@ class Executor:
             self.scaler = None if config.loss_scaling is None else LossScaler()
         self.step_count = 0
         self.skipped_steps = 0
+        self._signal = 0
         self._last_result: StepResult | None = None
         self._warned_training_mode = False
         self._gathered_profile: StepProfile | None = None
@@ -315,6 +316,7 @@ class Executor:
         plan: Plan | None = None,
         *,
         timeout: float | datetime.timedelta | None = None,
+        catch_up: bool = False,
     ) -> None:
         """Moves this executor to another worker set between steps: ``process_group``
         (None: this process alone) with ``plan`` (default ``Plan.even(V, size)``).
@@ -328,8 +330,15 @@ class Executor:
         the ``param.grad`` views into them, the hooks, parameters, optimizer state, step
         count, loss scaler and random streams. ``timeout`` (default: unchanged) bounds
         the new group's collectives. Any error leaves the executor on its old worker set.
+
+        ``catch_up`` (every member passes the same): members whose step count is behind
+        the others' receive the training state of a member at the highest step count
+        instead of raising; vflow.elastic uses it after a worker set broke during a step
+        that some members committed and others did not.
         """
         self._check_open()
+        if not isinstance(catch_up, bool):
+            raise TypeError(f"catch_up must be a bool, got {type(catch_up).__name__}")
         config = self.config
         if timeout is not None:
             config = dataclasses.replace(config, timeout=to_timedelta(timeout))
@@ -346,6 +355,7 @@ class Executor:
                 progress=repr(
                     (progress, None if self.scaler is None else self.scaler.state_dict())
                 ),
+                catch_up=catch_up,
             ),
             state_bytes=self._state_bytes,
             load_state=self._load_state_bytes,
@@ -405,6 +415,16 @@ class Executor:
 
     # ---- training -------------------------------------------------------------------
 
+    def signal(self, word: int) -> None:
+        """Sends ``word`` (an int in [0, 2**31)) with this worker's next step: every rank
+        reads every worker's word in that step's ``StepResult.signals``. It travels in
+        the step's statistics, so all workers learn it at the same step without a
+        collective of their own (vflow.elastic announces joiners and leavers this
+        way). Reset to 0 once a step succeeds."""
+        if isinstance(word, bool) or not isinstance(word, int) or not 0 <= word < 2**31:
+            raise ValueError(f"word must be an int in [0, 2**31), got {word!r}")
+        self._signal = word
+
     def step(self, batch: Batch, *, global_batch_size: int | None = None) -> StepResult:
         """Runs one global step.
 
@@ -458,6 +478,7 @@ class Executor:
         clock.finish(end)
         result = run.result(start, end, scale)
         self._last_result = result
+        self._signal = 0
         if self._world.distributed:
             self._own_profile = result.profile  # sent with the next step's statistics
             if run.gathered_profile is not None:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from vflow._extension import _C
+from vflow.distributed import CollectiveError
 from vflow.reduction import Reduction, VNPlacement
 
 # model -> the live store capturing its gradients. Two stores on one model would both
@@ -177,8 +178,13 @@ class GradStore:
         self.reducer.begin_vn(weight, last, placement.level, placement.merges)
         try:
             loss.backward()
-        except BaseException:
+        except BaseException as e:
             self.reducer.abort_vn()
+            failure = self.reducer.comm_failure
+            if failure and not isinstance(e, CollectiveError):
+                # A collective started in a hook failed; autograd re-raised it as a
+                # RuntimeError. Callers that recover from a lost worker need its type.
+                raise CollectiveError(failure) from e
             raise
         self.reducer.end_vn()
 

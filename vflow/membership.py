@@ -14,6 +14,11 @@ group, a sequence of collectives that every rank issues in the same order:
    any column differs, or if the members are not at the same point of training. Else:
    - nobody is a member (a new job): with ``broadcast_parameters``, rank 0's
      parameters and buffers are broadcast, as DDP does;
+   - members at different step counts: an error, unless every member asked for
+     ``catch_up`` (an elastic job, where a worker set can break after some of its
+     members committed a step and others did not). The members at the highest step
+     count must then agree on their progress; those behind become receivers, like
+     newcomers, and the ones ahead are the members below;
    - members and newcomers: the lowest-ranked member serialises its training state
      (vflow.training_state: model, optimizer, step counts, seed, loss scaler) and
      broadcasts it, its size first; each newcomer loads it, bit for bit. A last
@@ -74,6 +79,7 @@ class Candidate:
     member: bool  # it has been training in this job
     step_count: int
     progress: str  # text of its step counts, seed and loss scaler state
+    catch_up: bool = False  # a member behind the others may receive their state
 
 
 def join(
@@ -89,13 +95,28 @@ def join(
     that sends) serialises the training state; ``load_state`` (on a newcomer) applies
     it and returns what puts the newcomer's own state back, should another newcomer
     fail; ``fresh_start`` runs when nobody is a member yet."""
-    extra = [int(candidate.member), candidate.step_count, fingerprint(candidate.progress)]
+    extra = [
+        int(candidate.member),
+        candidate.step_count,
+        fingerprint(candidate.progress),
+        int(candidate.catch_up),
+    ]
     rows = check_agreement(world, columns, extra)
-    members = [r for r, (member, _, _) in enumerate(rows) if member]
+    members = [r for r, (member, _, _, _) in enumerate(rows) if member]
     if not members:
         fresh_start()
         return
-    progress = {(step, print_) for r, (_, step, print_) in enumerate(rows) if r in members}
+    catch_up = {rows[r][3] for r in members}
+    if len(catch_up) > 1:
+        raise ValueError(
+            f"the members of {world.description} disagree on catch_up (by rank: "
+            f"{ {r: bool(rows[r][3]) for r in members} }); every member must pass the same"
+        )
+    ahead = members
+    if catch_up == {1}:
+        latest = max(rows[r][1] for r in members)
+        ahead = [r for r in members if rows[r][1] == latest]
+    progress = {(rows[r][1], rows[r][2]) for r in ahead}
     if len(progress) > 1:
         steps = {r: rows[r][1] for r in members}
         raise ValueError(
@@ -103,15 +124,15 @@ def join(
             f"(step counts by rank: {steps}); only executors that took the same steps can "
             "form one worker set"
         )
-    if len(members) == world.size:
+    if len(ahead) == world.size:
         return
-    _send_state(world, members[0], candidate.member, state_bytes, load_state)
+    _send_state(world, ahead[0], world.rank in ahead, state_bytes, load_state)
 
 
 def _send_state(
     world: World,
     source: int,
-    member: bool,
+    up_to_date: bool,
     state_bytes: Callable[[], bytes],
     load_state: Callable[[bytes], Callable[[], None]],
 ) -> None:
@@ -125,7 +146,7 @@ def _send_state(
     world.broadcast_from(source, [data], "broadcast of the training state to new members", None)
     error: Exception | None = None
     undo: Callable[[], None] | None = None
-    if not member:
+    if not up_to_date:
         try:
             undo = load_state(data.numpy().tobytes())
         except Exception as e:

@@ -41,6 +41,8 @@ class StepResult:
     timings: the step's phases on this worker.
     profile: this worker's per-VN forward and backward times, compute and exposed
       communication (Note [Profiles] in vflow/profile.py); built when first read.
+    signals: every worker's signal word for this step (``Executor.signal``), by rank:
+      what all workers learn at the same step, without a collective of their own.
     """
 
     loss: float
@@ -51,6 +53,7 @@ class StepResult:
     grad_norm: float | None
     timings: PhaseTimings
     make_profile: Callable[[], WorkerProfile] = field(repr=False, compare=False)
+    signals: tuple[int, ...] = (0,)
 
     @functools.cached_property
     def profile(self) -> WorkerProfile:

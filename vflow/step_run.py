@@ -57,6 +57,7 @@ class StepRun:
         self.grad_norm: float | None = None
         self.stats_wait = 0.0
         self.gathered_profile: StepProfile | None = None
+        self.signals: tuple[int, ...] = (ex._signal,)
         self.after_vns: Any = None
         self.after_reduce: Any = None
         self.profiling = torch.autograd._profiler_enabled()
@@ -106,6 +107,8 @@ class StepRun:
                             self.kind,
                             self.items,
                             ex._own_profile,
+                            ex.rank,
+                            ex._signal,
                             ex._world.device,
                         )
                     )
@@ -128,6 +131,7 @@ class StepRun:
             loss_total, items_total = stats.loss_total, stats.items_total
             sum_workers, bad_items = stats.sum_workers, stats.bad_items
             self.gathered_profile = stats.profile
+            self.signals = stats.signals
         else:
             loss_total, items_total, bad_items = local_totals(
                 self.losses, self.weights, self.items if self.kind == "sum" else None
@@ -189,4 +193,5 @@ class StepRun:
             self.grad_norm,
             timings,
             profile,
+            self.signals,
         )

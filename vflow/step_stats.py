@@ -12,6 +12,7 @@ Layout, for V virtual nodes and W workers::
                     forward seconds, backward seconds (Note [Profiles], vflow.profile)
     [6V+2, 6V+2+6W) the previous step's profile, per worker: present, step, compute,
                     exposed communication, optimizer and step seconds
+    [6V+2+6W, 6V+2+7W) each worker's signal word (``Executor.signal``)
 
 Every value sits in a slot of its own — a VN's, or a worker's — and is zero on every
 other worker, so the sum over workers only ever adds zeros to a value: exact in any
@@ -40,6 +41,7 @@ class GlobalStats:
     sum_workers: float  # workers whose losses are summed
     bad_items: float  # VNs with an invalid num_items, all workers
     profile: StepProfile | None  # every worker's previous step
+    signals: tuple[int, ...]  # every worker's signal word, by rank
 
 
 class StatsLayout:
@@ -50,7 +52,8 @@ class StatsLayout:
         self.world_size = world_size
         self._profile_vns = 2 * virtual_nodes + 2
         self._profile_workers = self._profile_vns + _VN_ROWS * virtual_nodes
-        self.numel = self._profile_workers + _WORKER_FIELDS * world_size
+        self._signals = self._profile_workers + _WORKER_FIELDS * world_size
+        self.numel = self._signals + world_size
 
     def encode(
         self,
@@ -60,6 +63,8 @@ class StatsLayout:
         kind: LossKind,
         items: list[torch.Tensor | float],
         previous: WorkerProfile | None,
+        rank: int,
+        signal: int,
         device: torch.device,
     ) -> torch.Tensor:
         """This worker's statistics on ``device``. Losses and items stay on their
@@ -71,6 +76,7 @@ class StatsLayout:
         host[2 * v] = 1.0 if kind == "sum" else 0.0
         if previous is not None:
             self._put_profile(host, previous)
+        host[self._signals + rank] = float(signal)
         stats = torch.tensor(host, dtype=torch.float64, device=loss_device)
         index = torch.tensor(vns, device=loss_device)
         stats[index] = _stack_double(losses) * torch.tensor(
@@ -113,8 +119,14 @@ class StatsLayout:
         for vn in range(v):
             loss_total += values[vn]
             items_total += values[v + vn]
+        signals = tuple(int(x) for x in values[self._signals : self._signals + self.world_size])
         return GlobalStats(
-            loss_total, items_total, values[2 * v], values[2 * v + 1], self._profile(values)
+            loss_total,
+            items_total,
+            values[2 * v],
+            values[2 * v + 1],
+            self._profile(values),
+            signals,
         )
 
     def _profile(self, values: list[float]) -> StepProfile | None:

@@ -1,0 +1,240 @@
+"""One worker of the elastic tests (tests/test_elastic.py): a small MLP on a fixed
+synthetic dataset, trained by ``vflow.elastic.ElasticJob``, with fault points to kill or
+stop itself at an exact place of a step.
+
+    python tests/elastic_worker.py --rdzv HOST:PORT --job ID --steps N --log FILE
+        [--out FILE] [--deterministic] [--fault POINT --fault-step S] [--sleep SECONDS]
+        [--leave-step S] [--min-workers K] [--timeout S] [--checkpoint FILE]
+
+``--fault-step`` and ``--leave-step`` count the steps this worker has run (0: its
+first), so a fault always hits a worker that is in the job. Fault points: start (before
+the step's first forward), middle-backward (in the backward of this worker's middle
+VN), allreduce (late in the last VN's backward, with buckets of the later layers
+already reducing), finalize (waiting for the reduction), optimizer (in
+optimizer.step), recovery (inside the first round after a crash), receiving (a
+joiner, while it loads the state sent to it); ``--fault-signal``: SIGKILL (default)
+or SIGSTOP.
+
+The log file gets one JSON line per committed step ({"step", "rank", "workers",
+"indices"}) and a last line {"events": [...], "step": ...}. The lowest-ranked worker
+writes ``--out`` at the end: {"model", "optimizer", "step"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+
+import vflow
+from vflow import elastic, membership
+from vflow.distributed import use_loopback_for_gloo
+
+V, B, SAMPLES, FEATURES, CLASSES = 6, 24, 24 * 8, 8, 3
+SEED = 5
+
+
+def dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(123)
+    x = torch.randn(SAMPLES, FEATURES, generator=gen)
+    y = torch.randint(0, CLASSES, (SAMPLES,), generator=gen)
+    return x, y
+
+
+def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(SEED)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, CLASSES),
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, optimizer
+
+
+class Faults:
+    """Kills or stops this process at one point of one step."""
+
+    def __init__(self, point: str | None, step: int, signum: int) -> None:
+        self.point, self.step, self.signum = point, step, signum
+        self.current_step = -1  # steps this worker has run before the current one
+        self.vn_position = 0
+        self.vns_here = 0
+
+    def hit(self, point: str) -> None:
+        if point == self.point and self.current_step == self.step:
+            os.kill(os.getpid(), self.signum)
+            time.sleep(30)  # SIGSTOP: stay here once continued; SIGKILL never returns
+
+
+def make_loss(faults: Faults):
+    def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        first = model[1](model[0](x))
+        out = model[4](model[3](model[2](first)))
+        position = faults.vn_position
+        faults.vn_position += 1
+        if position == faults.vns_here // 2 and faults.vns_here > 1:
+            out.register_hook(lambda g: (faults.hit("middle-backward"), g)[1])
+        if position == faults.vns_here - 1:
+            # The first layer's gradient comes last: by then the later layers' buckets
+            # are being all-reduced.
+            first.register_hook(lambda g: (faults.hit("allreduce"), g)[1])
+        return torch.nn.functional.cross_entropy(out, y)
+
+    return loss_fn
+
+
+def reference(steps: int, deterministic: bool) -> dict[str, Any]:
+    """The uninterrupted job: one process, same V, seed and data order."""
+    model, optimizer = build()
+    ex = vflow.Executor(
+        model,
+        optimizer,
+        make_loss(Faults(None, -1, signal.SIGKILL)),
+        V,
+        seed=SEED,
+        deterministic=deterministic,
+    )
+    x, y = dataset()
+    sampler = vflow.VNBatchSampler(SAMPLES, B, ex.plan, 0, seed=SEED)
+    for step in range(steps):
+        indices, size = sampler.step_indices(step)
+        ex.step((x[indices], y[indices]), global_batch_size=size)
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": steps}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rdzv", required=True)
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--log", required=True)
+    parser.add_argument("--out")
+    parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--fault")
+    parser.add_argument("--fault-step", type=int, default=-1)
+    parser.add_argument("--fault-signal", default="SIGKILL")
+    parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--leave-step", type=int, default=-1)
+    parser.add_argument("--min-workers", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--join-timeout", type=float, default=60.0)
+    parser.add_argument("--checkpoint")
+    args = parser.parse_args(argv)
+    use_loopback_for_gloo()
+    torch.set_num_threads(1)
+    faults = Faults(args.fault, args.fault_step, getattr(signal, args.fault_signal))
+    x, y = dataset()
+    log = open(args.log, "a", buffering=1)
+
+    def make_executor(group: Any, timeout: float) -> vflow.Executor:
+        model, optimizer = build()
+        ex = vflow.Executor(
+            model,
+            optimizer,
+            make_loss(faults),
+            V,
+            seed=SEED,
+            process_group=group,
+            timeout=timeout,
+            deterministic=args.deterministic,
+            bucket_cap_mb=0.002,
+            first_bucket_mb=0.002,
+        )
+        grads = ex._grads
+        finish = grads.finish
+
+        def finish_with_fault(*a: Any) -> Any:
+            faults.hit("finalize")
+            return finish(*a)
+
+        grads.finish = finish_with_fault
+        optimizer.register_step_pre_hook(lambda *_: faults.hit("optimizer"))
+        return ex
+
+    sampler = vflow.VNBatchSampler(SAMPLES, B, vflow.Plan.even(V, 1), 0, seed=SEED)
+
+    local_steps = {"n": 0}
+
+    def train_step(ex: vflow.Executor, step: int) -> vflow.StepResult:
+        faults.current_step = local_steps["n"]
+        local_steps["n"] += 1
+        faults.vn_position = 0
+        faults.vns_here = ex.plan.counts[ex.rank]
+        if faults.current_step == args.leave_step:
+            job.leave()
+        if args.sleep:
+            time.sleep(args.sleep)
+        faults.hit("start")
+        sampler.set_plan(ex.plan, ex.rank)
+        indices, size = sampler.step_indices(step)
+        result = ex.step((x[indices], y[indices]), global_batch_size=size)
+        record = {"step": step, "rank": ex.rank, "workers": ex.world_size, "indices": indices}
+        log.write(json.dumps(record) + "\n")
+        return result
+
+    job = elastic.ElasticJob(
+        args.rdzv,
+        args.job,
+        min_workers=args.min_workers,
+        timeout_s=args.timeout,
+        join_timeout_s=args.join_timeout,
+        last_call_s=0.5,
+        keep_alive_s=0.5,
+        keep_alive_attempts=4,
+        checkpoint=args.checkpoint,
+    )
+    if args.fault == "recovery":
+        # Dies in the first round after this worker saw a step fail: a second failure
+        # while the survivors re-form.
+        form, step_fn = job._form, train_step
+        seen_crash = {"yes": False}
+
+        def form_with_fault(*a: Any) -> Any:
+            if seen_crash["yes"]:
+                os.kill(os.getpid(), faults.signum)
+            return form(*a)
+
+        def train_step(ex: vflow.Executor, step: int) -> vflow.StepResult:
+            try:
+                return step_fn(ex, step)
+            except vflow.CollectiveError:
+                seen_crash["yes"] = True
+                raise
+
+        job._form = form_with_fault  # type: ignore[method-assign]
+    if args.fault == "receiving":
+        deserialize = membership.deserialize
+
+        def deserialize_with_fault(data: bytes) -> object:
+            faults.current_step = faults.step
+            faults.hit("receiving")
+            return deserialize(data)
+
+        membership.deserialize = deserialize_with_fault  # type: ignore[assignment]
+    ex = job.run(make_executor, train_step, args.steps)
+    events = [e.__dict__ for e in job.events]
+    log.write(json.dumps({"events": events, "step": None if ex is None else ex.step_count}) + "\n")
+    if ex is not None and args.out and ex.rank == 0 and ex.step_count == args.steps:
+        torch.save(
+            {
+                "model": ex.model.state_dict(),
+                "optimizer": ex.optimizer.state_dict(),
+                "step": ex.step_count,
+            },
+            args.out,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,374 @@
+"""vflow.elastic end to end: worker processes (tests/elastic_worker.py) that join,
+leave, crash (SIGKILL at five points of a step), hang (SIGSTOP), fail twice in a row or
+die while receiving the state, against the uninterrupted one-process run: bitwise in
+deterministic mode, within 1e-6 relative otherwise; and every step used its own global
+batch exactly once. Every process and wait is bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests import elastic_worker
+from vflow.data import VNBatchSampler
+from vflow.elastic import ElasticJob
+from vflow.plan import Plan
+
+WORKER = Path(__file__).with_name("elastic_worker.py")
+STEPS = 40
+SLEEP = "0.25"  # seconds per step, so that joiners arrive mid-job
+
+
+@pytest.fixture(scope="module")
+def rendezvous() -> Iterator[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vflow", "rendezvous", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "python -m vflow rendezvous printed no address within 60 s"
+        endpoint = proc.stdout.readline().strip()
+        assert endpoint.startswith("127.0.0.1:"), endpoint
+        yield endpoint
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0  # ends cleanly on SIGTERM
+
+
+class Job:
+    """Worker processes of one job, each with its own log; all killed at the end."""
+
+    def __init__(self, endpoint: str, tmp_path: Path, name: str, deterministic: bool = True):
+        self.endpoint, self.tmp, self.name = endpoint, tmp_path, name
+        self.deterministic = deterministic
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, worker: str, *extra: str, steps: int = STEPS) -> subprocess.Popen:
+        args = [
+            sys.executable,
+            str(WORKER),
+            "--rdzv",
+            self.endpoint,
+            "--job",
+            self.name,
+            "--steps",
+            str(steps),
+            "--log",
+            str(self.log(worker)),
+            "--out",
+            str(self.tmp / "out.pt"),
+            "--sleep",
+            SLEEP,
+            *(["--deterministic"] if self.deterministic else []),
+            *extra,
+        ]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        proc = subprocess.Popen(args, env=env, stderr=open(self.tmp / f"{worker}.err", "w"))
+        self.procs[worker] = proc
+        return proc
+
+    def log(self, worker: str) -> Path:
+        return self.tmp / f"{worker}.log"
+
+    def lines(self, worker: str) -> list[dict[str, Any]]:
+        if not self.log(worker).exists():
+            return []
+        return [json.loads(line) for line in self.log(worker).read_text().splitlines() if line]
+
+    def steps(self, worker: str) -> list[dict[str, Any]]:
+        return [line for line in self.lines(worker) if "indices" in line]
+
+    def wait_steps(self, worker: str, count: int, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.steps(worker)) < count:
+            if self.procs[worker].poll() is not None:
+                raise AssertionError(f"{worker} ended early:\n{self.stderr(worker)}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{worker} ran fewer than {count} steps in {timeout} s")
+            time.sleep(0.05)
+
+    def stderr(self, worker: str) -> str:
+        return (self.tmp / f"{worker}.err").read_text()[-4000:]
+
+    def wait(self, timeout: float = 150.0, only: list[str] | None = None) -> dict[str, int]:
+        """Exit codes of the workers (or of ``only`` those); kills every worker after."""
+        deadline = time.monotonic() + timeout
+        codes = {}
+        try:
+            for worker, proc in self.procs.items():
+                if only is None or worker in only:
+                    codes[worker] = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            self.kill()
+        return codes
+
+    def kill(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+
+    def events(self, worker: str) -> list[dict[str, Any]]:
+        ends = [line for line in self.lines(worker) if "events" in line]
+        assert ends, f"{worker} wrote no events:\n{self.stderr(worker)}"
+        return ends[-1]["events"]
+
+    def result(self) -> dict[str, Any]:
+        return torch.load(self.tmp / "out.pt", weights_only=True)
+
+
+@pytest.fixture
+def job(rendezvous: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Job]:
+    name = "t" + str(abs(hash(request.node.nodeid)))[:12] + str(os.getpid())
+    running = Job(rendezvous, tmp_path, name)
+    yield running
+    running.kill()
+
+
+_REFERENCES: dict[tuple[int, bool], dict[str, Any]] = {}
+
+
+def _reference(steps: int, deterministic: bool) -> dict[str, Any]:
+    key = (steps, deterministic)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = elastic_worker.reference(steps, deterministic)
+    return _REFERENCES[key]
+
+
+def _assert_same_training(job: Job, steps: int = STEPS) -> None:
+    got, want = job.result(), _reference(steps, job.deterministic)
+    assert got["step"] == steps
+    for part in ("model", "optimizer"):
+        flat_got, flat_want = _flatten(got[part]), _flatten(want[part])
+        assert flat_got.keys() == flat_want.keys()
+        for key, value in flat_want.items():
+            if not isinstance(value, torch.Tensor):
+                assert flat_got[key] == value, f"{part} {key} differs"
+            elif job.deterministic:
+                assert torch.equal(flat_got[key], value), f"{part} {key} differs"
+            else:
+                torch.testing.assert_close(flat_got[key], value, rtol=1e-6, atol=1e-7)
+    _assert_each_batch_once(job, steps)
+
+
+def _assert_each_batch_once(job: Job, steps: int) -> None:
+    """Every step used global batch ``step`` (and only it) and no worker of a worker
+    set computed a sample another one did; every step up to ``steps`` was committed."""
+    sampler = VNBatchSampler(
+        elastic_worker.SAMPLES,
+        elastic_worker.B,
+        Plan.even(elastic_worker.V, 1),
+        0,
+        seed=elastic_worker.SEED,
+    )
+    by_step: dict[int, list[list[int]]] = {}
+    for worker in job.procs:
+        for line in job.steps(worker):
+            by_step.setdefault(line["step"], []).append(line["indices"])
+    assert sorted(by_step) == list(range(steps))
+    for step, parts in by_step.items():
+        batch = set(sampler.step_indices(step)[0])
+        seen = [i for part in parts for i in part]
+        assert set(seen) <= batch, f"step {step} used samples of another global batch"
+        assert len(seen) == len(set(seen)), f"step {step} computed a sample twice"
+
+
+def _flatten(state: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(state, dict):
+        for key, value in state.items():
+            out.update(_flatten(value, f"{prefix}/{key}"))
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            out.update(_flatten(value, f"{prefix}/{i}"))
+    else:
+        out[prefix] = state
+    return out
+
+
+def _reasons(job: Job, worker: str) -> list[str]:
+    return [e["reason"] for e in job.events(worker)]
+
+
+# ---- grow and leave ---------------------------------------------------------------
+
+
+def test_workers_joining_a_running_job_train_bitwise_as_one_process(job: Job) -> None:
+    job.start("a")
+    job.wait_steps("a", 3)
+    job.start("b")
+    job.wait_steps("b", 2)
+    job.start("c")
+    codes = job.wait()
+    assert codes == {"a": 0, "b": 0, "c": 0}, job.stderr("a")
+    _assert_same_training(job)
+    assert _reasons(job, "a")[0] == "start" and _reasons(job, "a").count("grow") >= 2
+    assert max(line["workers"] for line in job.steps("a")) == 3
+
+
+def test_grow_without_deterministic_mode_is_within_rounding(
+    rendezvous: str, tmp_path: Path
+) -> None:
+    job = Job(rendezvous, tmp_path, f"nondet{os.getpid()}", deterministic=False)
+    try:
+        job.start("a")
+        job.wait_steps("a", 3)
+        job.start("b")
+        assert job.wait() == {"a": 0, "b": 0}
+        _assert_same_training(job)
+    finally:
+        job.kill()
+
+
+def test_a_worker_asked_to_leave_finishes_its_step_and_the_others_go_on(job: Job) -> None:
+    job.start("a")
+    job.wait_steps("a", 2)
+    job.start("b", "--leave-step", "3")  # vflow.elastic.ElasticJob.leave()
+    job.start("c")
+    job.wait_steps("c", 2)
+    job.procs["c"].send_signal(signal.SIGTERM)  # SIGTERM: leave after this step
+    codes = job.wait()
+    assert codes == {"a": 0, "b": 0, "c": 0}, job.stderr("a")
+    _assert_same_training(job)
+    assert "leave" in _reasons(job, "a")
+    assert job.steps("a")[-1]["workers"] == 1
+
+
+# ---- crashes -------------------------------------------------------------------------
+
+FAULT_POINTS = ["start", "middle-backward", "allreduce", "finalize", "optimizer"]
+
+
+@pytest.mark.parametrize("point", FAULT_POINTS)
+def test_a_worker_killed_during_a_step_costs_nothing(job: Job, point: str) -> None:
+    job.start("a")
+    job.wait_steps("a", 1)
+    job.start("b", "--fault", point, "--fault-step", "2")
+    codes = job.wait()
+    assert codes["b"] == -signal.SIGKILL
+    assert codes["a"] == 0, job.stderr("a")
+    _assert_same_training(job)
+    assert "crash" in _reasons(job, "a")
+
+
+def test_a_hung_worker_is_dropped_after_the_timeout(job: Job) -> None:
+    job.start("a", "--timeout", "3")
+    job.wait_steps("a", 1)
+    job.start(
+        "b",
+        "--timeout",
+        "3",
+        "--fault",
+        "middle-backward",
+        "--fault-step",
+        "2",
+        "--fault-signal",
+        "SIGSTOP",
+    )
+    codes = job.wait(timeout=120, only=["a"])  # b stays stopped, then is killed
+    assert codes["a"] == 0, job.stderr("a")
+    _assert_same_training(job)
+    crash = [e for e in job.events("a") if e["reason"] == "crash"]
+    assert crash
+
+
+def test_two_failures_in_a_row(job: Job) -> None:
+    job.start("a")
+    job.wait_steps("a", 1)
+    job.start("b", "--fault", "start", "--fault-step", "2")
+    job.start("c", "--fault", "recovery")
+    job.wait_steps("c", 1)
+    codes = job.wait()
+    assert codes["b"] == -signal.SIGKILL and codes["c"] == -signal.SIGKILL
+    assert codes["a"] == 0, job.stderr("a")
+    _assert_same_training(job)
+
+
+def test_a_joiner_dying_while_it_receives_the_state(job: Job) -> None:
+    job.start("a")
+    job.wait_steps("a", 2)
+    job.start("b", "--fault", "receiving")
+    assert job.procs["b"].wait(timeout=90) == -signal.SIGKILL
+    job.start("c")
+    codes = job.wait()
+    assert codes["a"] == 0 and codes["c"] == 0, job.stderr("a")
+    _assert_same_training(job)
+
+
+def test_below_min_workers_the_job_stops_with_a_checkpoint(job: Job, tmp_path: Path) -> None:
+    ckpt = tmp_path / "left.pt"
+    common = ["--min-workers", "2", "--join-timeout", "4", "--checkpoint", str(ckpt)]
+    job.start("a", *common)
+    job.start("b", *common, "--fault", "start", "--fault-step", "3")
+    codes = job.wait()
+    assert codes["b"] == -signal.SIGKILL
+    assert codes["a"] == 1
+    assert "fewer than min_workers=2" in job.stderr("a")
+    saved = torch.load(ckpt, weights_only=True)
+    committed = len(job.steps("a"))
+    assert saved["executor"]["step_count"] == committed
+
+
+def test_a_worker_arriving_after_the_job_finished_returns_none(job: Job) -> None:
+    job.start("a", steps=3)
+    assert job.procs["a"].wait(timeout=90) == 0
+    late = job.start("late", steps=3)
+    assert late.wait(timeout=60) == 0, job.stderr("late")
+    assert job.lines("late")[-1] == {"events": [], "step": None}
+
+
+# ---- bad input -------------------------------------------------------------------------
+
+
+def test_an_unreachable_rendezvous_is_a_clear_error() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again below: nobody listens there
+    job = ElasticJob(f"127.0.0.1:{port}", "nobody", store_timeout_s=1.0)
+    with pytest.raises(
+        RuntimeError, match=f"cannot reach the rendezvous store at 127.0.0.1:{port}"
+    ):
+        job.run(lambda g, t: None, lambda ex, s: None, 1)  # type: ignore[arg-type, return-value]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rendezvous": "localhost"}, "rendezvous must be 'HOST:PORT'"),
+        ({"rendezvous": "h:99999"}, "rendezvous must be 'HOST:PORT'"),
+        ({"job_id": ""}, "job_id must be a non-empty string"),
+        ({"min_workers": 0}, "min_workers must be an int >= 1"),
+        ({"min_workers": 3, "max_workers": 2}, "max_workers must be >= min_workers"),
+        ({"timeout_s": 0}, "timeout_s must be a finite number > 0"),
+        ({"keep_alive_s": float("nan")}, "keep_alive_s must be a finite number > 0"),
+        ({"last_call_s": -1}, "last_call_s must be a finite number >= 0"),
+        ({"backend": "mpi"}, "backend must be 'gloo' or 'nccl'"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], message: str) -> None:
+    args = {"rendezvous": "127.0.0.1:1", "job_id": "j", **kwargs}
+    with pytest.raises((ValueError, TypeError), match=message):
+        ElasticJob(args.pop("rendezvous"), args.pop("job_id"), **args)
+
+
+def test_run_checks_its_arguments_before_connecting() -> None:
+    job = ElasticJob("127.0.0.1:1", "j", store_timeout_s=1.0)
+    with pytest.raises(ValueError, match="steps must be an int >= 0"):
+        job.run(lambda g, t: None, lambda ex, s: None, -1)  # type: ignore[arg-type, return-value]
+    with pytest.raises(TypeError, match="train_step must be callable"):
+        job.run(lambda g, t: None, None, 1)  # type: ignore[arg-type, return-value]

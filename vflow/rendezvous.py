@@ -1,0 +1,305 @@
+"""Membership rounds of an elastic job, from torch.distributed.elastic's rendezvous.
+
+vflow does not run a membership protocol of its own. It uses the engine torchrun uses,
+``DynamicRendezvousHandler`` over the c10d store backend (join, keep-alive heartbeats,
+last call, min/max nodes, the wait list), but inside long-lived worker processes: a new
+round re-forms the worker set without restarting anybody (Note [Rounds without
+restarts]). The store lives in a process of its own, ``python -m vflow rendezvous``
+(``serve``/``main`` here), so that no worker's death takes it down.
+
+Note [Rounds without restarts]
+How the handler behaves, and what this module adds to use it from running workers:
+
+* A round is *complete* once it has ``min_nodes`` participants and the last call has
+  passed (or ``max_nodes`` joined at once). It stays complete while any participant
+  remains: ``next_rendezvous`` first removes the caller from it, and the round moves
+  on (``round += 1``, incomplete) only when the last participant has left, by itself
+  or because its keep-alive heartbeats stopped for ``keep_alive_s x
+  keep_alive_attempts`` (a crashed or hung worker). Until then, callers wait on the
+  wait list. So re-forming the group needs *every* live member to call
+  ``next_round``; a dead one is dropped by its heartbeat expiry, which is what bounds
+  crash recovery from below.
+* A process that wants in while a round is complete sits on the wait list.
+  ``num_nodes_waiting()`` reads it, but costs a store round trip, so a poller thread
+  reads it in the background and ``waiting()`` returns the last count at no cost; the
+  members agree on when to act by exchanging it in a step's statistics (vflow.elastic).
+  The poller and ``next_round`` never use the handler at the same time.
+* Each round's store is the backend store under the prefix
+  ``torch.rendezvous.<job>.<round>``; process groups of the round live under further
+  prefixes of it (``round_group``), so keys of an old round never meet a new round.
+* torchrun's agent makes the round's rank 0 host a TCP store for the workers
+  (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` unset). vflow's store is the rendezvous
+  store itself, so that sharing is switched off: a worker never hosts anything others
+  depend on. The handler still publishes a bootstrap address under each round's
+  prefix (rank 0 writes, the others read); that is why every member must call
+  ``next_round`` promptly, and why a probe that let only the newcomer call it timed out.
+* Leaving without ending the job uses the handler's exit operation (the first half
+  of ``next_rendezvous``) and stops the heartbeats; ``shutdown()`` would close the
+  rendezvous for everybody, so it is called only when the job is finished.
+
+The c10d store has no authentication: anybody who can reach its port can read and
+write the job's keys. ``serve`` binds to loopback unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousTimeoutError,
+)
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+    _RendezvousExitOp,
+)
+
+__all__ = [
+    "Rendezvous",
+    "RendezvousClosedError",
+    "RendezvousTimeoutError",
+    "Round",
+    "main",
+    "parse_endpoint",
+    "round_group",
+    "serve",
+]
+
+_POLL_S = 0.1
+
+
+def parse_endpoint(endpoint: object, name: str = "rendezvous") -> tuple[str, int]:
+    """``"HOST:PORT"`` as (host, port), or a ValueError naming ``name``."""
+    if not isinstance(endpoint, str):
+        raise TypeError(f"{name} must be a 'HOST:PORT' string, got {type(endpoint).__name__}")
+    host, sep, port_text = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"{name} must be 'HOST:PORT' with a port in 1..65535, got {endpoint!r}")
+    return host, int(port_text)
+
+
+def serve(host: str = "127.0.0.1", port: int = 0) -> dist.TCPStore:
+    """Hosts a c10d TCPStore for elastic jobs on ``host:port`` (port 0: any free port).
+    The store has no authentication; keep it on loopback or a trusted network."""
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
+        raise ValueError(f"port must be an int in 0..65535, got {port!r}")
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=60),
+        use_libuv=True,
+    )
+
+
+def main(argv: list[str]) -> int:
+    """``python -m vflow rendezvous``: hosts the store until SIGTERM or SIGINT."""
+    parser = argparse.ArgumentParser(
+        prog="python -m vflow rendezvous",
+        description=(
+            "Host the rendezvous store of elastic vflow jobs (workers: vflow.elastic). "
+            "Prints 'HOST:PORT' on its first line and runs until SIGTERM or Ctrl-C. The c10d "
+            "store has no authentication: anyone who reaches the port can read and change "
+            "the jobs' state, so it listens on loopback unless --host says otherwise."
+        ),
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=0, help="port (default: any free port)")
+    args = parser.parse_args(argv)
+    try:
+        store = serve(args.host, args.port)
+    except (RuntimeError, ValueError, OSError) as e:
+        print(
+            f"python -m vflow rendezvous: cannot listen on {args.host}:{args.port}: {e}",
+            file=sys.stderr,
+        )
+        return 1
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    print(f"{args.host}:{store.port}", flush=True)
+    while not stop.wait(0.5):
+        pass
+    return 0
+
+
+@dataclass(frozen=True)
+class Round:
+    """One completed round: this worker's rank, the worker count and the round's store."""
+
+    number: int
+    rank: int
+    world_size: int
+    store: dist.Store
+
+
+def round_group(
+    rendezvous_round: Round,
+    timeout: datetime.timedelta,
+    *,
+    backend: str = "gloo",
+    name: str = "main",
+    ranks: list[int] | None = None,
+) -> dist.ProcessGroup:
+    """A fresh process group of the round (Gloo on CPU, NCCL on GPU), built directly on
+    the round's store without ``init_process_group``, as torchft does.
+
+    ``ranks``: the round's ranks that form the group (default all), in their order;
+    every one of them calls this with the same ``name`` and ``ranks``. This is how the
+    members of a round shrink without a new round when some of them leave.
+    """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    members = list(range(rendezvous_round.world_size)) if ranks is None else list(ranks)
+    if rendezvous_round.rank not in members:
+        raise ValueError(f"ranks {members} do not include this worker's {rendezvous_round.rank}")
+    rank, size = members.index(rendezvous_round.rank), len(members)
+    store = dist.PrefixStore(f"vflow/{name}", rendezvous_round.store)
+    group = dist.ProcessGroup(store, rank, size)
+    if backend == "gloo":
+        impl = dist.ProcessGroupGloo(store, rank, size, timeout)
+        kind, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
+    else:
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        impl = dist.ProcessGroupNCCL(store, rank, size, options)
+        kind, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
+    group._set_default_backend(kind)
+    group._register_backend(device, kind, impl)
+    return group
+
+
+class Rendezvous:
+    """A worker's handle on the membership of job ``job_id`` at ``endpoint``
+    (``"HOST:PORT"`` of ``python -m vflow rendezvous``). See Note [Rounds without
+    restarts]. Connecting fails with a RuntimeError naming the endpoint when the store
+    cannot be reached within ``store_timeout_s``."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        job_id: str,
+        *,
+        min_workers: int,
+        max_workers: int,
+        join_timeout_s: float,
+        last_call_s: float,
+        keep_alive_s: float,
+        keep_alive_attempts: int,
+        store_timeout_s: float,
+    ) -> None:
+        host, port = parse_endpoint(endpoint)
+        try:
+            self._store = dist.TCPStore(
+                host,
+                port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=store_timeout_s),
+                use_libuv=True,
+            )
+        except (RuntimeError, OSError) as e:
+            raise RuntimeError(
+                f"cannot reach the rendezvous store at {endpoint} within {store_timeout_s:g} s "
+                f"(is `python -m vflow rendezvous` running there?): {e}"
+            ) from e
+        # Note [Rounds without restarts]: no worker hosts a store for the others.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        self.endpoint = endpoint
+        self.job_id = job_id
+        self._handler = DynamicRendezvousHandler.from_backend(
+            run_id=job_id,
+            store=self._store,
+            backend=C10dRendezvousBackend(self._store, job_id),
+            min_nodes=min_workers,
+            max_nodes=max_workers,
+            local_addr=socket.gethostname(),
+            timeout=RendezvousTimeout(
+                join=datetime.timedelta(seconds=join_timeout_s),
+                last_call=datetime.timedelta(seconds=last_call_s),
+                close=datetime.timedelta(seconds=max(store_timeout_s, 5.0)),
+                heartbeat=datetime.timedelta(seconds=max(keep_alive_s, 1.0)),
+            ),
+            keep_alive_interval=keep_alive_s,  # type: ignore[arg-type]  # a float works
+            keep_alive_max_attempt=keep_alive_attempts,
+        )
+        self._lock = threading.Lock()  # the poller and next_round never overlap
+        self._waiting = 0
+        self._in_round = False
+        self._closed = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name="vflow-rendezvous", daemon=True)
+        self._poller.start()
+
+    def next_round(self) -> Round:
+        """Leaves the current round (if any) and joins the next; returns once it is
+        complete. Raises RendezvousTimeoutError after the join timeout and
+        RendezvousClosedError when the job is finished."""
+        with self._lock:
+            self._in_round = False
+            info = self._handler.next_rendezvous()
+            self._waiting = 0
+            self._in_round = True
+            number = self._handler._state_holder.state.round
+        return Round(number, info.rank, info.world_size, info.store)
+
+    @property
+    def store(self) -> dist.Store:
+        """The rendezvous store itself, without a round's prefix."""
+        return self._store
+
+    def waiting(self) -> int:
+        """Workers waiting to join, as last seen by the poller (0 outside a round)."""
+        return self._waiting
+
+    def leave(self) -> None:
+        """Leaves the current round without ending the job; the others go on."""
+        self._stop()
+        with self._lock:
+            self._handler._stop_heartbeats()
+            deadline = time.monotonic() + self._handler.settings.timeout.close.total_seconds()
+            try:
+                self._handler._op_executor.run(_RendezvousExitOp(), deadline)
+            except Exception:  # best effort: the heartbeat expiry removes us anyway
+                pass
+
+    def finish(self) -> None:
+        """Ends the job's rendezvous: waiting and later workers get RendezvousClosedError."""
+        self._stop()
+        with self._lock:
+            self._handler.shutdown()
+
+    def close(self) -> None:
+        """Stops the poller and the heartbeats (a worker that raises)."""
+        self._stop()
+        with self._lock:
+            self._handler._stop_heartbeats()
+
+    def _stop(self) -> None:
+        self._closed.set()
+        if self._poller.is_alive() and self._poller is not threading.current_thread():
+            self._poller.join()
+
+    def _poll(self) -> None:
+        while not self._closed.wait(_POLL_S):
+            with self._lock:
+                if not self._in_round:
+                    continue
+                try:
+                    self._waiting = self._handler.num_nodes_waiting()
+                except Exception:
+                    # A store that went away shows in the next round; the step's own
+                    # collectives are not affected by it.
+                    self._waiting = 0
