@@ -300,3 +300,24 @@ def test_set_epoch_and_global_batch_size_errors():
         s.global_batch_size(2)
     with pytest.raises(TypeError, match="index must be an int"):
         s.global_batch_size("0")
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_step_indices_follow_the_step_count_across_epochs_and_plans(drop_last):
+    n, b, v = 54, 12, 4  # 4 full batches and a short one of 6, kept without drop_last
+    one = VNBatchSampler(n, b, Plan.even(v, 1), 0, seed=3, drop_last=drop_last)
+    expected = []
+    for epoch in range(3):
+        one.set_epoch(epoch)
+        expected += list(one)
+    for step, batch in enumerate(expected):
+        assert one.step_indices(step) == (batch, len(batch))
+    assert one.epoch == 2  # step_indices reads the epoch from the step; set_epoch is untouched
+    for plan in (Plan.even(v, 2), Plan(counts=[3, 1])):
+        workers = [VNBatchSampler(n, b, plan, r, seed=3, drop_last=drop_last) for r in range(2)]
+        for step, batch in enumerate(expected):
+            parts = [w.step_indices(step) for w in workers]
+            assert parts[0][0] + parts[1][0] == batch
+            assert parts[0][1] == parts[1][1] == len(batch)
+    with pytest.raises(ValueError, match="step must be"):
+        one.step_indices(-1)

@@ -445,3 +445,26 @@ def test_ranks_with_different_loss_scaler_settings_raise():
         assert set(r.value) == {"init_scale", "growth_interval", "on_off"}, r.value
         for error in r.value.values():
             assert "ranks disagree on the settings (loss_scaling)" in error
+
+
+def _signals(rank: int, world_size: int) -> list[tuple[int, ...]]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    ex = vflow.Executor(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lambda m, b: m(b).square().mean(),
+        4,
+        timeout=60,
+    )
+    batch = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    seen = []
+    ex.signal(rank + 5)
+    seen.append(ex.step(batch).signals)
+    seen.append(ex.step(batch).signals)  # reset once a step succeeded
+    return seen
+
+
+def test_every_rank_reads_every_workers_signal_at_the_same_step():
+    for result in run_ranks(3, _signals, timeout=120):
+        assert result.value == [(5, 6, 7), (0, 0, 0)]

@@ -382,3 +382,17 @@ def test_infer_in_training_mode_warns_once_that_batchnorm_statistics_change(capl
         ex.infer(x)
         assert torch.equal(model[1].running_mean, before)
         assert not caplog.records
+
+
+def test_signal_travels_with_the_next_step_and_is_checked():
+    model = torch.nn.Linear(4, 2)
+    ex = vflow.Executor(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, b: m(b).sum(), 2
+    )
+    batch = torch.randn(4, 4)
+    for bad in (-1, 2**31, True, 1.0):
+        with pytest.raises(ValueError, match="word must be an int in"):
+            ex.signal(bad)  # type: ignore[arg-type]
+    ex.signal(3)
+    assert ex.step(batch).signals == (3,)
+    assert ex.step(batch).signals == (0,)

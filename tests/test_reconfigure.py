@@ -235,3 +235,41 @@ def _failures_in_three(rank: int, world_size: int) -> dict[str, Any]:
     state = _state(ex)
     ex.close()
     return {"errors": errors, "state": state}
+
+
+def test_members_behind_catch_up_only_when_every_member_asks() -> None:
+    results = [r.value for r in run_ranks(2, _one_member_ahead, timeout=200)]
+    want = _single("ordered", steps=3)
+    for rank, result in enumerate(results):
+        assert "different points of training" in result["errors"]["no catch_up"], rank
+        assert "disagree on catch_up" in result["errors"]["mixed catch_up"], rank
+        assert result["step_count"] == 3
+        _assert_matches(result["state"], want, exact=True, where=f"rank {rank}")
+
+
+def _one_member_ahead(rank: int, world_size: int) -> dict[str, Any]:
+    """Both ranks train 2 steps together; rank 0 takes a third alone (as when a worker
+    set breaks after some members committed a step); then they meet again."""
+    batches = _batches()
+    ex = _executor("ordered", dist.group.WORLD, None)
+    for batch in batches[:2]:
+        ex.step(batch)
+    if rank == 0:
+        ex.reconfigure(dist.new_group([0]), vflow.Plan.even(V, 1))
+        ex.step(batches[2])
+    else:
+        dist.new_group([0])  # every rank takes part in new_group
+    errors: dict[str, str] = {}
+    try:
+        ex.reconfigure(dist.group.WORLD, vflow.Plan.even(V, 2))
+    except ValueError as e:
+        errors["no catch_up"] = str(e)
+    try:
+        ex.reconfigure(dist.group.WORLD, vflow.Plan.even(V, 2), catch_up=rank == 0)
+    except ValueError as e:
+        errors["mixed catch_up"] = str(e)
+    ex.reconfigure(dist.group.WORLD, vflow.Plan.even(V, 2), catch_up=True)
+    state = _state(ex)
+    step_count = ex.step_count
+    ex.close()
+    return {"errors": errors, "state": state, "step_count": step_count}

@@ -180,6 +180,8 @@ def round_group(
         kind, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
     group._set_default_backend(kind)
     group._register_backend(device, kind, impl)
+    # Errors then name the round and the group instead of "default".
+    group._set_group_name(f"round {rendezvous_round.number}/{name}")
     return group
 
 
