@@ -3,11 +3,15 @@ synthetic dataset, trained by ``vflow.elastic.ElasticJob``, with fault points to
 stop itself at an exact place of a step.
 
     python tests/elastic_worker.py --rdzv HOST:PORT --job ID --steps N --log FILE
-        [--out FILE] [--deterministic] [--fault POINT --fault-step S] [--sleep SECONDS]
-        [--leave-step S] [--min-workers K] [--timeout S] [--checkpoint FILE]
+        [--out FILE] [--deterministic] [--workers K] [--sleep SECONDS]
+        [--fault POINT --fault-step S] [--leave-step S] [--sigterm-step S]
+        [--min-workers K] [--timeout S] [--checkpoint FILE]
 
-``--fault-step`` and ``--leave-step`` count the steps this worker has run (0: its
-first), so a fault always hits a worker that is in the job. Fault points: start (before
+Until this worker has seen ``--workers`` workers in its worker set, it sleeps
+``--sleep`` seconds per step, so that the others can join before the job ends; from
+then on it runs at full speed. ``--fault-step``, ``--leave-step`` and
+``--sigterm-step`` count the steps this worker has run since (0: the first), so that a
+fault always hits a worker set of the intended size. Fault points: start (before
 the step's first forward), middle-backward (in the backward of this worker's middle
 VN), allreduce (late in the last VN's backward, with buckets of the later layers
 already reducing), finalize (waiting for the reduction), optimizer (in
@@ -124,7 +128,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fault-step", type=int, default=-1)
     parser.add_argument("--fault-signal", default="SIGKILL")
     parser.add_argument("--sleep", type=float, default=0.0)
-    parser.add_argument("--leave-step", type=int, default=-1)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--sigterm-step", type=int)
+    parser.add_argument("--leave-step", type=int)
     parser.add_argument("--min-workers", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=5.0)
     parser.add_argument("--join-timeout", type=float, default=60.0)
@@ -162,17 +168,22 @@ def main(argv: list[str]) -> int:
         return ex
 
     sampler = vflow.VNBatchSampler(SAMPLES, B, vflow.Plan.even(V, 1), 0, seed=SEED)
-
     local_steps = {"n": 0}
 
+    full = {"since": None}  # steps run before the worker set first had --workers
+
     def train_step(ex: vflow.Executor, step: int) -> vflow.StepResult:
-        faults.current_step = local_steps["n"]
+        if full["since"] is None and ex.world_size >= args.workers:
+            full["since"] = local_steps["n"]
         local_steps["n"] += 1
+        faults.current_step = -1 if full["since"] is None else local_steps["n"] - 1 - full["since"]
         faults.vn_position = 0
         faults.vns_here = ex.plan.counts[ex.rank]
         if faults.current_step == args.leave_step:
             job.leave()
-        if args.sleep:
+        if faults.current_step == args.sigterm_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if full["since"] is None:
             time.sleep(args.sleep)
         faults.hit("start")
         sampler.set_plan(ex.plan, ex.rank)

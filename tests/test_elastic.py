@@ -26,8 +26,10 @@ from vflow.elastic import ElasticJob
 from vflow.plan import Plan
 
 WORKER = Path(__file__).with_name("elastic_worker.py")
-STEPS = 40
-SLEEP = "0.25"  # seconds per step, so that joiners arrive mid-job
+STEPS = 80
+# Seconds per step until a worker has seen the test's full worker set: time for the
+# others to start and join (about 20 s), then full speed.
+SLEEP = "0.25"
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +53,12 @@ def rendezvous() -> Iterator[str]:
 class Job:
     """Worker processes of one job, each with its own log; all killed at the end."""
 
-    def __init__(self, endpoint: str, tmp_path: Path, name: str, deterministic: bool = True):
+    def __init__(
+        self, endpoint: str, tmp_path: Path, name: str, deterministic: bool = True, workers: int = 2
+    ):
         self.endpoint, self.tmp, self.name = endpoint, tmp_path, name
         self.deterministic = deterministic
+        self.workers = workers  # the full worker set of the scenario (worker --workers)
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, worker: str, *extra: str, steps: int = STEPS) -> subprocess.Popen:
@@ -72,6 +77,8 @@ class Job:
             str(self.tmp / "out.pt"),
             "--sleep",
             SLEEP,
+            "--workers",
+            str(self.workers),
             *(["--deterministic"] if self.deterministic else []),
             *extra,
         ]
@@ -160,7 +167,10 @@ def _assert_same_training(job: Job, steps: int = STEPS) -> None:
             elif job.deterministic:
                 assert torch.equal(flat_got[key], value), f"{part} {key} differs"
             else:
-                torch.testing.assert_close(flat_got[key], value, rtol=1e-6, atol=1e-7)
+                # Relative 2-norm error of the tensor, as in tests/test_reconfigure.py:
+                # single elements near zero carry rounding far above 1e-6 of themselves.
+                error = (flat_got[key] - value).norm() / value.norm().clamp_min(1e-30)
+                assert error <= 1e-6, f"{part} {key}: relative error {error:.2e}"
     _assert_each_batch_once(job, steps)
 
 
@@ -207,6 +217,7 @@ def _reasons(job: Job, worker: str) -> list[str]:
 
 
 def test_workers_joining_a_running_job_train_bitwise_as_one_process(job: Job) -> None:
+    job.workers = 3
     job.start("a")
     job.wait_steps("a", 3)
     job.start("b")
@@ -234,12 +245,11 @@ def test_grow_without_deterministic_mode_is_within_rounding(
 
 
 def test_a_worker_asked_to_leave_finishes_its_step_and_the_others_go_on(job: Job) -> None:
+    job.workers = 3
     job.start("a")
     job.wait_steps("a", 2)
     job.start("b", "--leave-step", "3")  # vflow.elastic.ElasticJob.leave()
-    job.start("c")
-    job.wait_steps("c", 2)
-    job.procs["c"].send_signal(signal.SIGTERM)  # SIGTERM: leave after this step
+    job.start("c", "--sigterm-step", "6")  # SIGTERM: leave after this step
     codes = job.wait()
     assert codes == {"a": 0, "b": 0, "c": 0}, job.stderr("a")
     _assert_same_training(job)
@@ -286,6 +296,7 @@ def test_a_hung_worker_is_dropped_after_the_timeout(job: Job) -> None:
 
 
 def test_two_failures_in_a_row(job: Job) -> None:
+    job.workers = 3
     job.start("a")
     job.wait_steps("a", 1)
     job.start("b", "--fault", "start", "--fault-step", "2")
@@ -323,6 +334,7 @@ def test_below_min_workers_the_job_stops_with_a_checkpoint(job: Job, tmp_path: P
 
 
 def test_a_worker_arriving_after_the_job_finished_returns_none(job: Job) -> None:
+    job.workers = 1
     job.start("a", steps=3)
     assert job.procs["a"].wait(timeout=90) == 0
     late = job.start("late", steps=3)
