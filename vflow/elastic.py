@@ -393,7 +393,8 @@ class ElasticJob:
         return _Outcome("done", time.monotonic())
 
     def _record(self, outcome: _Outcome, ex: Executor, round_number: int) -> None:
-        reason = {"done": "finish", "few": "leave"}.get(outcome.reason, outcome.reason)
+        # "few": the leave was recorded when it happened; this round brought joiners.
+        reason = {"done": "finish", "few": "grow"}.get(outcome.reason, outcome.reason)
         event = Event(
             ex.step_count, round_number, ex.world_size, reason, time.monotonic() - outcome.seen
         )
