@@ -97,14 +97,14 @@ def make_loss(faults: Faults):
     return loss_fn
 
 
-def reference(steps: int, deterministic: bool) -> dict[str, Any]:
+def reference(steps: int, deterministic: bool, virtual_nodes: int = V) -> dict[str, Any]:
     """The uninterrupted job: one process, same V, seed and data order."""
     model, optimizer = build()
     ex = vflow.Executor(
         model,
         optimizer,
         make_loss(Faults(None, -1, signal.SIGKILL)),
-        V,
+        virtual_nodes,
         seed=SEED,
         deterministic=deterministic,
     )
@@ -132,6 +132,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sigterm-step", type=int)
     parser.add_argument("--leave-step", type=int)
     parser.add_argument("--min-workers", type=int, default=1)
+    parser.add_argument("--max-workers", type=int, default=64)
+    parser.add_argument("--virtual-nodes", type=int, default=V)
     parser.add_argument("--timeout", type=float, default=5.0)
     parser.add_argument("--join-timeout", type=float, default=60.0)
     parser.add_argument("--checkpoint")
@@ -148,7 +150,7 @@ def main(argv: list[str]) -> int:
             model,
             optimizer,
             make_loss(faults),
-            V,
+            args.virtual_nodes,
             seed=SEED,
             process_group=group,
             timeout=timeout,
@@ -167,7 +169,7 @@ def main(argv: list[str]) -> int:
         optimizer.register_step_pre_hook(lambda *_: faults.hit("optimizer"))
         return ex
 
-    sampler = vflow.VNBatchSampler(SAMPLES, B, vflow.Plan.even(V, 1), 0, seed=SEED)
+    sampler = vflow.VNBatchSampler(SAMPLES, B, vflow.Plan.even(args.virtual_nodes, 1), 0, seed=SEED)
     local_steps = {"n": 0}
 
     full = {"since": None}  # steps run before the worker set first had --workers
@@ -197,6 +199,7 @@ def main(argv: list[str]) -> int:
         args.rdzv,
         args.job,
         min_workers=args.min_workers,
+        max_workers=args.max_workers,
         timeout_s=args.timeout,
         join_timeout_s=args.join_timeout,
         last_call_s=0.5,

@@ -145,18 +145,20 @@ def job(rendezvous: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iter
     running.kill()
 
 
-_REFERENCES: dict[tuple[int, bool], dict[str, Any]] = {}
+_REFERENCES: dict[tuple[int, bool, int], dict[str, Any]] = {}
 
 
-def _reference(steps: int, deterministic: bool) -> dict[str, Any]:
-    key = (steps, deterministic)
+def _reference(steps: int, deterministic: bool, virtual_nodes: int) -> dict[str, Any]:
+    key = (steps, deterministic, virtual_nodes)
     if key not in _REFERENCES:
-        _REFERENCES[key] = elastic_worker.reference(steps, deterministic)
+        _REFERENCES[key] = elastic_worker.reference(steps, deterministic, virtual_nodes)
     return _REFERENCES[key]
 
 
-def _assert_same_training(job: Job, steps: int = STEPS) -> None:
-    got, want = job.result(), _reference(steps, job.deterministic)
+def _assert_same_training(
+    job: Job, steps: int = STEPS, virtual_nodes: int = elastic_worker.V
+) -> None:
+    got, want = job.result(), _reference(steps, job.deterministic, virtual_nodes)
     assert got["step"] == steps
     for part in ("model", "optimizer"):
         flat_got, flat_want = _flatten(got[part]), _flatten(want[part])
@@ -340,6 +342,30 @@ def test_a_worker_arriving_after_the_job_finished_returns_none(job: Job) -> None
     late = job.start("late", steps=3)
     assert late.wait(timeout=60) == 0, job.stderr("late")
     assert job.lines("late")[-1] == {"events": [], "step": None}
+
+
+def test_workers_beyond_v_are_refused_and_the_job_goes_on(job: Job) -> None:
+    common = ("--virtual-nodes", "2")
+    job.workers = 3  # never reached: a and b train slowly to the end, c arrives in time
+    job.start("a", *common, steps=40)
+    job.wait_steps("a", 1)
+    job.start("b", *common, steps=40)
+    job.wait_steps("b", 1)
+    job.start("c", *common, steps=40)  # a third worker for V=2
+    codes = job.wait()
+    assert codes["c"] == 1 and "this worker is not needed" in job.stderr("c")
+    assert codes["a"] == 0 and codes["b"] == 0, job.stderr("a")
+    _assert_same_training(job, steps=40, virtual_nodes=2)
+
+
+def test_a_worker_waiting_for_a_place_when_the_job_ends_returns_none(job: Job) -> None:
+    job.workers = 1
+    job.start("a", "--max-workers", "1", "--sleep", "0.1", "--workers", "99")
+    job.wait_steps("a", 1)
+    job.start("waiting", "--max-workers", "1")
+    codes = job.wait()
+    assert codes == {"a": 0, "waiting": 0}, job.stderr("waiting")
+    assert job.lines("waiting")[-1] == {"events": [], "step": None}
 
 
 # ---- bad input -------------------------------------------------------------------------

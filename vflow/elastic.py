@@ -76,6 +76,7 @@ from vflow.executor import Executor
 from vflow.rendezvous import (
     Rendezvous,
     RendezvousClosedError,
+    RendezvousGracefulExitError,
     RendezvousTimeoutError,
     Round,
     parse_endpoint,
@@ -128,13 +129,16 @@ class ElasticJob:
         job_id: names the job on that store; every worker of the job passes the same.
         min_workers / max_workers: bounds on the worker count. A round forms once
             ``min_workers`` are there (after the last call); beyond ``max_workers``,
-            workers wait.
+            workers wait (without a time limit) until a place is free or the job ends.
+            Keep ``max_workers <= V``: every worker needs a VN, so a round with more
+            workers than V refuses the newcomers beyond V (they raise RuntimeError).
         timeout_s: bound on every collective of the job's groups: how long a hung
             worker (SIGSTOP, a wedged host) stalls the others before they drop it.
             Gloo cannot abort a collective, so this is the only way a hang ends; keep it
             a few times the longest step.
         join_timeout_s: how long a round may take to form, e.g. while waiting for
-            joiners after falling below ``min_workers``.
+            joiners after falling below ``min_workers``. It does not bound a newcomer's
+            wait while the running job has no place for it.
         last_call_s: once a round has ``min_workers``, how long it waits for more.
         keep_alive_s / keep_alive_attempts: heartbeat period and the missed heartbeats
             after which a worker counts as dead; their product bounds crash recovery
@@ -276,7 +280,8 @@ class ElasticJob:
         while True:
             try:
                 rnd = rdzv.next_round()
-            except RendezvousClosedError:
+            except (RendezvousClosedError, RendezvousGracefulExitError):
+                # Graceful exit: the job closed while this worker was on the wait list.
                 if ex is None:
                     _log.info(
                         "vflow elastic: job %r finished before this worker joined", self.job_id
@@ -317,12 +322,30 @@ class ElasticJob:
         group = self._group(rnd, "main", None)
         world = World(group, timedelta(seconds=self.timeout_s))
         started_key = f"vflow/{self.job_id}/started"
-        rows = world.gather_ints([int(ex is not None)], "checking the round's members", None)
-        if not any(member for (member,) in rows) and self._job_store().check([started_key]):
+        mine = [int(ex is not None), 0 if ex is None else ex.virtual_nodes]
+        rows = world.gather_ints(mine, "checking the round's members", None)
+        members = [rank for rank, (member, _) in enumerate(rows) if member]
+        if not members and self._job_store().check([started_key]):
             # The job's members are still on their way to this round (or gone): never
             # start a running job over (Note [Elastic state machine]).
             raise CollectiveError(
                 f"round {rnd.number} of job {self.job_id!r} has no member of the running job"
+            )
+        virtual_nodes = rows[members[0]][1] if members else world.size
+        if world.size > virtual_nodes:
+            # Every worker needs a VN: newcomers beyond V are refused (they end with this
+            # error), and the round is formed again without them.
+            newcomers = [rank for rank in range(world.size) if rank not in members]
+            refused = newcomers[virtual_nodes - len(members) :]
+            if world.rank in refused:
+                raise RuntimeError(
+                    f"job {self.job_id!r} runs V={virtual_nodes} virtual nodes, at most one "
+                    f"worker each, and has {len(members)} worker(s): this worker is not "
+                    "needed (pass max_workers <= V to make extra workers wait instead)"
+                )
+            raise CollectiveError(
+                f"round {rnd.number} of job {self.job_id!r} has {world.size} workers for "
+                f"V={virtual_nodes}; workers beyond V were refused"
             )
         if ex is None:
             ex = make_executor(group, self.timeout_s)

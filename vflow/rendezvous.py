@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
+    RendezvousGracefulExitError,
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
@@ -69,6 +70,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 __all__ = [
     "Rendezvous",
     "RendezvousClosedError",
+    "RendezvousGracefulExitError",
     "RendezvousTimeoutError",
     "Round",
     "main",
@@ -248,7 +250,8 @@ class Rendezvous:
     def next_round(self) -> Round:
         """Leaves the current round (if any) and joins the next; returns once it is
         complete. Raises RendezvousTimeoutError after the join timeout and
-        RendezvousClosedError when the job is finished."""
+        RendezvousClosedError (or, for a worker that was waiting to join,
+        RendezvousGracefulExitError) when the job is finished."""
         with self._lock:
             self._in_round = False
             info = self._handler.next_rendezvous()
