@@ -1,0 +1,243 @@
+"""Train the digits CNN as an elastic job: workers join, leave and crash while it runs.
+
+The job is named by ``--job`` on a rendezvous store. A worker started while no job of
+that name runs starts it and trains alone; a worker started while it runs joins at the
+next step and receives the state; SIGTERM or Ctrl-C makes a worker leave after its
+current step; a worker that is killed or hangs is dropped and the others redo that
+step's global batch. B and V stay fixed, and the data position is the step count, so
+with ``--deterministic`` the final model is bitwise the one that the same flags give on
+one worker alone, whatever happened in between.
+
+The store first (one per cluster; it serves many jobs). It prints ``HOST:PORT`` and runs
+until SIGTERM or Ctrl-C. The c10d store has no authentication: anyone who reaches its
+port can read and change the jobs' state, so it listens on loopback (127.0.0.1) unless
+``--host`` says otherwise::
+
+    python -m vflow rendezvous --port 29400
+
+One machine: start a worker, and later as many more as you like, each in its own shell
+(all with the same flags); stop one with Ctrl-C, or ``kill -9`` it, and the others go
+on::
+
+    python examples/train_elastic.py --rdzv 127.0.0.1:29400 --job digits \\
+        --steps 2000 --virtual-nodes 8 --seed 0 --deterministic --out final.pt --sleep 0.2
+
+Several machines: run the store on a host every worker reaches, listening on that
+network (only on a trusted one), e.g. ``python -m vflow rendezvous --host 10.0.0.1
+--port 29400``, and start workers anywhere with ``--rdzv 10.0.0.1:29400``. Gloo must
+then use the interface that reaches the other machines: set GLOO_SOCKET_IFNAME (e.g.
+``GLOO_SOCKET_IFNAME=eth0 python examples/train_elastic.py ...``). Without it this
+script keeps Gloo on the loopback interface, which only reaches workers on the same
+machine.
+
+When the job reaches ``--steps``, its lowest-ranked worker writes
+``{"model", "optimizer", "step"}`` to ``--out`` (``torch.load(path)``); the others write
+nothing, and so does a worker that left early or arrived after the end. The rendezvous
+events (start, grow, leave, crash, finish) are logged by the ``vflow`` logger, and
+rank 0 logs the loss every ``--log-every`` steps. ``--log FILE`` appends one JSON line
+per step this worker ran (``{"step", "rank", "workers", "loss"}``) and a last line
+``{"events": [...], "step": ...}``, for scripts that watch a job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any, TextIO
+
+import torch
+
+import vflow
+from vflow.demo import accuracy, cross_entropy, load_digits_split, make_model
+from vflow.distributed import use_loopback_for_gloo
+from vflow.elastic import ElasticJob
+
+_log = logging.getLogger("train_elastic")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rdzv", required=True, help="HOST:PORT of python -m vflow rendezvous")
+    parser.add_argument("--job", required=True, help="job id; every worker of a job passes it")
+    parser.add_argument("--steps", type=int, required=True, help="global steps of the job")
+    parser.add_argument(
+        "--virtual-nodes", type=int, default=8, help="V, also the most workers (default 8)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="data split, init, order, dropout")
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="bitwise the same training whatever the workers do",
+    )
+    parser.add_argument("--out", default=None, help="rank 0 writes the final state here")
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch B (default 64)")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per worker (default 1); bitwise results need the same everywhere",
+    )
+    parser.add_argument(
+        "--sleep", type=float, default=0.0, help="seconds this worker sleeps before each step"
+    )
+    parser.add_argument(
+        "--sleep-until-changes",
+        type=int,
+        default=0,
+        help="stop sleeping once this worker has seen this many changes of the worker set "
+        "(default 0: sleep before every step)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds a collective may take: how long a hung worker stalls the others",
+    )
+    parser.add_argument(
+        "--min-workers", type=int, default=1, help="the job stops below this many workers"
+    )
+    parser.add_argument(
+        "--checkpoint", default=None, help="written when the job stops for too few workers"
+    )
+    parser.add_argument("--log-every", type=int, default=10, help="rank 0 logs the loss (steps)")
+    parser.add_argument("--log", default=None, help="append one JSON line per step here")
+    args = parser.parse_args(argv)
+    if args.steps < 0:
+        parser.error(f"--steps must be >= 0, got {args.steps}")
+    if args.virtual_nodes < 1:
+        parser.error(f"--virtual-nodes must be >= 1, got {args.virtual_nodes}")
+    if args.batch_size < args.virtual_nodes:
+        parser.error(
+            f"--batch-size ({args.batch_size}) must be >= --virtual-nodes ({args.virtual_nodes})"
+        )
+    if not args.lr > 0:
+        parser.error(f"--lr must be > 0, got {args.lr}")
+    for flag, value in (("--threads", args.threads), ("--log-every", args.log_every)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+    if not args.sleep >= 0 or args.sleep_until_changes < 0:
+        parser.error("--sleep and --sleep-until-changes must be >= 0")
+    if not args.timeout > 0:
+        parser.error(f"--timeout must be > 0, got {args.timeout}")
+    if not 1 <= args.min_workers <= args.virtual_nodes:
+        parser.error(f"--min-workers must be in 1..--virtual-nodes, got {args.min_workers}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s: %(message)s")
+    use_loopback_for_gloo()
+    torch.set_num_threads(args.threads)
+    x_train, y_train, x_test, y_test = load_digits_split(args.seed)
+    job = ElasticJob(
+        args.rdzv,
+        args.job,
+        min_workers=args.min_workers,
+        # Every worker needs at least one VN; more wait until one leaves.
+        max_workers=args.virtual_nodes,
+        timeout_s=args.timeout,
+        checkpoint=args.checkpoint,
+    )
+    log_file: TextIO | None = open(args.log, "a", buffering=1) if args.log else None
+
+    def make_executor(group: Any, timeout: float) -> vflow.Executor:
+        model = make_model(args.seed)
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        return vflow.Executor(
+            model,
+            optimizer,
+            cross_entropy,
+            args.virtual_nodes,
+            seed=args.seed,
+            process_group=group,
+            timeout=timeout,
+            deterministic=args.deterministic,
+        )
+
+    # The plan and rank change with the worker set; train_step sets them before every
+    # step, so the plan given here only has to be valid.
+    sampler = vflow.VNBatchSampler(
+        len(y_train), args.batch_size, vflow.Plan.even(args.virtual_nodes, 1), 0, seed=args.seed
+    )
+
+    def train_step(ex: vflow.Executor, step: int) -> vflow.StepResult:
+        changes = len(job.events) - 1  # the first event is this worker's start
+        if args.sleep > 0 and (args.sleep_until_changes == 0 or changes < args.sleep_until_changes):
+            time.sleep(args.sleep)
+        sampler.set_plan(ex.plan, ex.rank)
+        indices, size = sampler.step_indices(step)
+        result = ex.step((x_train[indices], y_train[indices]), global_batch_size=size)
+        if ex.rank == 0 and (step + 1) % args.log_every == 0:
+            _log.info(
+                "step %d/%d  loss %.4f  (%d worker(s))",
+                step + 1,
+                args.steps,
+                result.loss,
+                ex.world_size,
+            )
+        if log_file is not None:
+            record = {"step": step, "rank": ex.rank, "workers": ex.world_size, "loss": result.loss}
+            log_file.write(json.dumps(record) + "\n")
+        return result
+
+    def leave_on_ctrl_c(signum: int, frame: Any) -> None:
+        _log.info("leaving after this step (Ctrl-C again to stop at once)")
+        job.leave()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    # SIGTERM already means "leave after this step" (ElasticJob); Ctrl-C does the same,
+    # so that the others go on without redoing a step.
+    signal.signal(signal.SIGINT, leave_on_ctrl_c)
+    try:
+        ex = job.run(make_executor, train_step, args.steps)
+        if log_file is not None:
+            events = [event.__dict__ for event in job.events]
+            step = None if ex is None else ex.step_count
+            log_file.write(json.dumps({"events": events, "step": step}) + "\n")
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if log_file is not None:
+            log_file.close()
+    if ex is None:
+        _log.info("job %r had finished before this worker could join; nothing to do", args.job)
+        return 0
+    try:
+        if ex.step_count < args.steps:
+            _log.info("left job %r at step %d of %d", args.job, ex.step_count, args.steps)
+        elif ex.rank == 0:
+            _log.info(
+                "test accuracy %.4f after %d steps",
+                accuracy(ex.model, x_test, y_test),
+                ex.step_count,
+            )
+            if args.out is not None:
+                save(ex, args.out)
+                _log.info("saved the final state to %s", args.out)
+    finally:
+        ex.close()
+    return 0
+
+
+def save(ex: vflow.Executor, path: str) -> None:
+    state = {
+        "model": ex.model.state_dict(),
+        "optimizer": ex.optimizer.state_dict(),
+        "step": ex.step_count,
+    }
+    # A reader never sees half a file, even if this worker dies while writing.
+    partial = f"{path}.partial{os.getpid()}"
+    torch.save(state, partial)
+    os.replace(partial, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
