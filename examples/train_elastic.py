@@ -198,7 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     # so that the others go on without redoing a step.
     signal.signal(signal.SIGINT, leave_on_ctrl_c)
     try:
-        ex = job.run(make_executor, train_step, args.steps)
+        try:
+            ex = job.run(make_executor, train_step, args.steps)
+        except RuntimeError as e:  # an unreachable store, too few workers: say why, briefly
+            _log.error("%s", e)
+            return 1
         if log_file is not None:
             events = [event.__dict__ for event in job.events]
             step = None if ex is None else ex.step_count
@@ -211,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         _log.info("job %r had finished before this worker could join; nothing to do", args.job)
         return 0
     try:
-        if ex.step_count < args.steps:
+        # A worker that left on the job's last step also has step_count == steps: only
+        # the workers that saw the job finish are at its end.
+        if not job.events or job.events[-1].reason != "finish":
             _log.info("left job %r at step %d of %d", args.job, ex.step_count, args.steps)
         elif ex.rank == 0:
             _log.info(

@@ -245,25 +245,27 @@ class ElasticJob:
             raise TypeError(f"train_step must be callable, got {type(train_step).__name__}")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
-        self._rendezvous = Rendezvous(
-            self.rendezvous,
-            self.job_id,
-            min_workers=self.min_workers,
-            max_workers=self.max_workers,
-            join_timeout_s=self.join_timeout_s,
-            last_call_s=self.last_call_s,
-            keep_alive_s=self.keep_alive_s,
-            keep_alive_attempts=self.keep_alive_attempts,
-            store_timeout_s=self.store_timeout_s,
-        )
+        # Installed first, so that SIGTERM while connecting means "leave", not death.
         previous = None
         if self.handle_sigterm and threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, lambda *_: self._leave.set())
         try:
-            return self._run(self._rendezvous, make_executor, train_step, steps)
-        except BaseException:
-            self._rendezvous.leave()
-            raise
+            self._rendezvous = Rendezvous(
+                self.rendezvous,
+                self.job_id,
+                min_workers=self.min_workers,
+                max_workers=self.max_workers,
+                join_timeout_s=self.join_timeout_s,
+                last_call_s=self.last_call_s,
+                keep_alive_s=self.keep_alive_s,
+                keep_alive_attempts=self.keep_alive_attempts,
+                store_timeout_s=self.store_timeout_s,
+            )
+            try:
+                return self._run(self._rendezvous, make_executor, train_step, steps)
+            except BaseException:
+                self._rendezvous.leave()
+                raise
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
@@ -278,6 +280,10 @@ class ElasticJob:
         outcome = _Outcome("start", time.monotonic())
         failures = 0
         while True:
+            if ex is None and self._leave.is_set():
+                _log.info("vflow elastic: asked to leave job %r before joining it", self.job_id)
+                rdzv.close()
+                return None
             try:
                 rnd = rdzv.next_round()
             except (RendezvousClosedError, RendezvousGracefulExitError):
