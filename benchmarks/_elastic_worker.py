@@ -25,6 +25,8 @@ SIGKILL in the backward of its middle VN (of its last, with one VN), after writi
 Log lines (``t``: ``time.time()`` when written):
 ``{"ready": t}`` once torch and vflow are imported;
 ``{"joined": t, "workers": n}`` when this worker is first in a round (its group formed);
+``{"built": t}`` once its model, optimizer and Executor are built (the first
+optimizer a process builds imports torch._dynamo: about a second);
 ``{"loaded": t, "step": s}`` after ``vflow.load`` (restart role);
 ``{"begin": t}`` when this process's first step starts (its worker set formed, its
 state received or loaded);
@@ -70,7 +72,7 @@ def mlp(hidden: int, layers: int) -> nn.Module:
 
 class Log:
     def __init__(self, path: str) -> None:
-        self._file: IO[str] = open(path, "a", buffering=1, encoding="utf-8")
+        self._file: IO[str] = open(path, "w", buffering=1, encoding="utf-8")
 
     def write(self, **fields: Any) -> None:
         self._file.write(json.dumps(fields) + "\n")
@@ -167,6 +169,7 @@ def main(argv: list[str]) -> int:
             timeout=timeout,
             deterministic=args.deterministic,
         )
+        log.write(built=time.time())
         if args.checkpoint and os.path.exists(args.checkpoint):
             vflow.load(args.checkpoint, ex)
             log.write(loaded=time.time(), step=ex.step_count)

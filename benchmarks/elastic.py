@@ -355,6 +355,7 @@ def grow_samples(a: Worker, joiner: Worker) -> list[Sample]:
     phases = {
         "imports": stamp("ready") - joiner.started,
         "formed": stamp("joined") - joiner.started,
+        "built": stamp("built") - joiner.started,
         "state": stamp("begin") - joiner.started,
         "first step": done - joiner.started,
     }
@@ -429,6 +430,7 @@ def restart_sample(
         "stopped": stopped_at - t_event,
         "imports": latest("ready"),
         "formed": latest("joined"),
+        "built": latest("built"),
     }
     if all("loaded" in w.log.marks for w in new):
         phases["state"] = latest("loaded")
@@ -607,6 +609,7 @@ PHASES = (
     ("stopped", "old stopped"),
     ("imports", "imports done"),
     ("formed", "group formed"),
+    ("built", "executor built"),
     ("state", "state in"),
     ("first step", "first step"),
     ("recomputed", "recomputed"),
@@ -818,6 +821,9 @@ def print_results(r: dict[str, Any]) -> None:
         "processes (the last of them) imported torch\n"
         "    and vflow; group formed: its first rendezvous round completed and its process "
         "group built (make_executor called)\n"
+        "  executor built: model, optimizer and Executor built in make_executor (the "
+        "process's first torch.optim optimizer imports\n"
+        "    torch._dynamo, about a second)\n"
         "  state in: restart: vflow.load done; vflow grow: the joiner's first step began "
         "(the state received from the running worker)\n"
         "  recomputed: the restarted set committed the last batch committed before the "
@@ -972,11 +978,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--settle",
         type=int,
-        default=10,
-        help="steps each worker set commits before the next event (default 10)",
+        default=8,
+        help="steps each worker set commits before the next event (default 8: with K = 10 "
+        "the events fall at different distances from the last checkpoint)",
     )
     parser.add_argument(
-        "--warmup", type=int, default=5, help="steps before the first event (default 5)"
+        "--warmup",
+        type=int,
+        default=None,
+        help="steps before the first event (default K + 3: the restart path has a "
+        "checkpoint to load from the first event on)",
+    )
+    parser.add_argument(
+        "--keep-logs",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep the workers' logs and stderr in DIR (default: a temporary folder)",
     )
     parser.add_argument(
         "--collective-timeout",
@@ -1036,7 +1054,7 @@ def main(argv: list[str] | None = None) -> int:
         virtual_nodes=args.virtual_nodes,
         threads=args.threads,
         deterministic=args.deterministic,
-        warmup=args.warmup,
+        warmup=args.warmup or args.checkpoint_every + 3,
         settle=args.settle,
         checkpoint_every=args.checkpoint_every,
         timeout_s=args.collective_timeout,
@@ -1079,8 +1097,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     deadline = time.monotonic() + timeout_s
     with tempfile.TemporaryDirectory(prefix="vflow-elastic-") as tmp:
+        folder = args.keep_logs or Path(tmp)
         try:
-            chains = measure(cfg, repeats, Path(tmp), deadline)
+            chains = measure(cfg, repeats, folder, deadline)
             record = summarise(cfg, repeats, chains)
         except BenchError as e:
             raise SystemExit(f"benchmark failed: {e}") from None
