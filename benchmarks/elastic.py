@@ -12,7 +12,8 @@ it sends itself SIGKILL.
 
 Each repetition runs two chains of events, in alternating order:
 
-* vflow: one elastic job (``min_workers=1``, ``max_workers=2``). Worker a starts
+* vflow: one elastic job (``min_workers=1``, ``max_workers=2`` unless
+  ``--max-workers`` says otherwise). Worker a starts
   alone; after ``warmup`` steps worker b starts and joins (grow); after b has committed
   ``settle`` steps it gets SIGTERM and leaves (shrink; ElasticJob's SIGTERM handler
   asks it to leave after its current step); after a has committed ``settle`` steps
@@ -823,7 +824,8 @@ def print_results(r: dict[str, Any]) -> None:
         "group built (make_executor called)\n"
         "  executor built: model, optimizer and Executor built in make_executor (the "
         "process's first torch.optim optimizer imports\n"
-        "    torch._dynamo, about a second)\n"
+        "    torch._dynamo, about a second; a vflow joiner's Executor receives the state "
+        "while it is constructed)\n"
         "  state in: restart: vflow.load done; vflow grow: the joiner's first step began "
         "(the state received from the running worker)\n"
         "  recomputed: the restarted set committed the last batch committed before the "
