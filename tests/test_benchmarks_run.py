@@ -147,6 +147,19 @@ def test_check_makes_a_missed_target_fail_the_run(
     assert ("--check: 1 target(s) missed" in captured.err) == check
 
 
+def test_elastic_runs_only_when_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ok = _writes(_prefetch_records(9.5))
+    scripts = {name: ok for name in run.suite_names()}
+    folder = _folder(tmp_path, {**scripts, "elastic": "sys.exit(3)\n"})
+    assert "elastic" not in run.suite_names() and "elastic" in run.BENCHMARKS
+    argv = ["--benchmarks-dir", str(folder)]
+    assert run.main([*argv, "--out", str(tmp_path / "suite")]) == 0
+    summary = json.loads((tmp_path / "suite" / "summary.json").read_text(encoding="utf-8"))
+    assert [r["name"] for r in summary["runs"]] == run.suite_names()
+    assert run.main([*argv, "--out", str(tmp_path / "named"), "--only", "elastic"]) == 1
+    assert "failed: elastic" in capsys.readouterr().err
+
+
 def test_compare_file_checked_before_running(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
