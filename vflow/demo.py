@@ -57,7 +57,7 @@ _PROGRESS_KEY = "vflow/demo/steps"
 _COLLECTIVE_TIMEOUT_S = 120.0
 # The elastic scenario's worker count and least number of steps (vflow/demo_elastic.py).
 ELASTIC_WORKERS = 3
-MIN_ELASTIC_STEPS = 20
+MIN_ELASTIC_STEPS = 12
 
 
 def load_digits_split(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

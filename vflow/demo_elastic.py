@@ -12,9 +12,12 @@ The demo starts the store (``python -m vflow rendezvous``) and the four workers
 (``python -m vflow.demo_elastic --worker ...``) at once; a worker prints ``ready`` once
 it has imported everything and waits for ``go`` on its stdin, so that process start-up
 (seconds on a busy machine) is not part of the scenario's timeline. The demo says
-``go`` to a worker when the previous change shows in the workers' logs. Workers sleep
-before every step in which they are fewer than three, so that the next change happens
-within a few steps; with three they run at full speed. Every wait is bounded and every
+``go`` to a worker when the workers' logs show that the previous change is done.
+Pacing: before each step in which they are fewer than three, the workers hold (at most
+HOLD_S) until they see a worker waiting to join; with three they run at full speed. A
+join then always takes two steps (the held one, and the next, which carries the
+signal), however long the joiner needs to reach the store, so the scenario fits in few
+steps without depending on the machine's speed. Every wait is bounded and every
 process is killed on the way out.
 
 Output: a table of the changes as the first worker saw them (``ElasticJob.events``),
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import select
@@ -57,10 +61,10 @@ NAMES = (FIRST, VICTIM, SECOND_JOINER, LATE_JOINER)
 # The victim dies in its second step with all three workers: the first one shows that
 # the full worker set trains.
 KILL_STEP = 1
-# Enough steps for the four changes however long each join takes: joins and the crash
-# take a few of the slow steps each, and the job must not end before they happened.
+# The changes take 8 steps (two per join, the kill's step and its repetition); a few
+# more show the final worker set train.
 MIN_STEPS = demo.MIN_ELASTIC_STEPS
-SLEEP_S = 0.5  # per step while fewer than WORKERS workers
+HOLD_S = 30.0  # the longest hold before a step (see the module docstring)
 # The activation the kill hook sits on: the output of the second convolution's ReLU.
 _HOOKED_LAYER = 3
 _COLLECTIVE_TIMEOUT_S = 10.0  # ElasticJob(timeout_s=): a few times the slowest step
@@ -173,21 +177,28 @@ def _worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dir", type=Path, required=True, help="folder for the worker's files")
     parser.add_argument("--settings", required=True, help="the demo's settings, as JSON")
     parser.add_argument("--kill-step", type=int, help="die in this step with all workers")
-    parser.add_argument("--sleep", type=float, default=SLEEP_S, help="seconds per slow step")
+    parser.add_argument("--hold", type=float, default=HOLD_S, help="longest hold per step")
     parser.add_argument("--go-timeout", type=float, default=600.0, help="seconds to wait for go")
     return parser
 
 
 def worker_main(argv: list[str]) -> int:
-    """One worker. Its log ``DIR/NAME.jsonl`` gets a line per committed step ({"step",
-    "loss", "workers", "rank"}) and a last line {"events", "step"}; a worker that
-    finishes the job writes its parameters to ``DIR/NAME.pt``."""
+    """One worker. It reads the training set from ``DIR/data.pt``. Its log
+    ``DIR/NAME.jsonl`` gets a line per committed step ({"step", "loss", "workers",
+    "rank"}), one when it holds before a step ({"hold": step, "workers"}) and a last
+    line {"events", "step"}; a worker that finishes the job writes its parameters to
+    ``DIR/NAME.pt``."""
     args = _worker_parser().parse_args(argv)
     settings = json.loads(args.settings)
+    # The job's changes, in the worker's stderr file: what to read when a run fails.
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s {args.name} %(name)s: %(message)s", force=True
+    )
     # Same thread count as the reference: a condition of bitwise reproducibility on CPU.
     torch.set_num_threads(1)
     use_loopback_for_gloo()
-    x, y, _, _ = demo.load_digits_split(settings["seed"])
+    data = torch.load(args.dir / "data.pt", weights_only=True)
+    x, y = data["x"], data["y"]
     kill = Kill(args.kill_step)
     print("ready", flush=True)
     ready, _, _ = select.select([sys.stdin], [], [], args.go_timeout)
@@ -205,8 +216,11 @@ def worker_main(argv: list[str]) -> int:
 
         def train_step(ex: vflow.Executor, step: int) -> StepResult:
             kill.begin_step(ex)
-            if ex.world_size < WORKERS:
-                time.sleep(args.sleep)
+            if ex.world_size < WORKERS and not job.waiting():
+                log.write(json.dumps({"hold": step, "workers": ex.world_size}) + "\n")
+                until = time.monotonic() + args.hold
+                while not job.waiting() and time.monotonic() < until:
+                    time.sleep(_POLL_S)
             result = run_step(ex, step, x, y, settings)
             line = {"step": step, "loss": result.loss, "workers": ex.world_size, "rank": ex.rank}
             log.write(json.dumps(line) + "\n")
@@ -242,6 +256,7 @@ class Outcome:
     endpoint: str = ""
     exit_codes: dict[str, int | None] = field(default_factory=dict)
     events: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # per worker
+    first_steps: dict[str, int | None] = field(default_factory=dict)  # per worker
     losses: list[float] = field(default_factory=list)  # per step, as committed
     workers_per_step: list[int] = field(default_factory=list)
     reference_losses: list[float] = field(default_factory=list)
@@ -254,18 +269,17 @@ class Outcome:
 
     def table_rows(self) -> list[dict[str, Any]]:
         """The changes as the first worker saw them (it saw all), with what caused each."""
-        first_round = {
-            name: events[0]["round"]
-            for name, events in self.events.items()
-            if name != FIRST and events and events[0]["reason"] == "start"
-        }
         rows = []
         for event in self.events.get(FIRST, []):
             reason = event["reason"]
             if reason == "start":
                 what = f"{FIRST} starts the job alone"
             elif reason == "grow":
-                joined = [name for name, rnd in first_round.items() if rnd == event["round"]]
+                joined = [
+                    name
+                    for name, first in self.first_steps.items()
+                    if name != FIRST and first == event["step"]
+                ]
                 what = f"{' and '.join(joined) or 'a worker'} joins"
             elif reason == "crash":
                 what = (
@@ -380,44 +394,57 @@ class _Processes:
         return line
 
 
-def read_log(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """A worker's committed steps and its last line ({"events", "step"}, if written)."""
-    steps, end = [], None
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # the line being written
-            if "events" in entry:
-                end = entry
-            else:
-                steps.append(entry)
-    return steps, end
+@dataclass
+class WorkerLog:
+    """What a worker's log says so far."""
+
+    steps: list[dict[str, Any]] = field(default_factory=list)  # committed steps
+    holds: list[dict[str, Any]] = field(default_factory=list)  # holds before a step
+    end: dict[str, Any] | None = None  # the last line: {"events", "step"}
+
+    @classmethod
+    def read(cls, path: Path) -> WorkerLog:
+        log = cls()
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # the line being written
+                if "events" in entry:
+                    log.end = entry
+                elif "hold" in entry:
+                    log.holds.append(entry)
+                else:
+                    log.steps.append(entry)
+        return log
+
+    def holds_with(self, workers: int) -> int:
+        return sum(hold["workers"] == workers for hold in self.holds)
 
 
 def _play(
     procs: _Processes, outcome: Outcome, settings: dict[str, Any], bar: demo.ProgressBar
 ) -> None:
-    folder = procs.folder
+    """Starts the processes and says ``go`` to each worker at its moment (see the
+    module docstring); returns when the job has finished."""
 
-    def steps_of(name: str) -> list[dict[str, Any]]:
-        return read_log(folder / f"{name}.jsonl")[0]
+    def log(name: str) -> WorkerLog:
+        return WorkerLog.read(procs.folder / f"{name}.jsonl")
 
     def tick() -> None:
-        bar.update(max((len(steps_of(name)) for name in NAMES), default=0))
+        bar.update(max(len(log(name).steps) for name in NAMES))
 
     outcome.endpoint = procs.start_store()
-    job = f"demo-{os.getpid()}-{time.time_ns()}"
     common = [
         "--rdzv",
         outcome.endpoint,
         "--job",
-        job,
+        f"demo-{os.getpid()}-{time.time_ns()}",
         "--steps",
         str(outcome.steps),
         "--dir",
-        str(folder),
+        str(procs.folder),
         "--settings",
         json.dumps(settings),
         "--go-timeout",
@@ -429,10 +456,14 @@ def _play(
     for name in NAMES:
         procs.wait_ready(name)
 
+    # The first worker is in every worker set and holds in each one below three.
     procs.go(FIRST)
-    procs.wait_until(f"{FIRST}'s first step", lambda: bool(steps_of(FIRST)), [FIRST], tick)
+    procs.wait_until(f"{FIRST} to train alone", lambda: log(FIRST).holds_with(1) > 0, [FIRST], tick)
     procs.go(VICTIM)
-    procs.wait_until(f"{VICTIM} to join", lambda: bool(steps_of(VICTIM)), [FIRST, VICTIM], tick)
+    procs.wait_until(
+        f"{VICTIM} to join", lambda: log(FIRST).holds_with(2) > 0, [FIRST, VICTIM], tick
+    )
+    holds_before = log(FIRST).holds_with(WORKERS - 1)
     procs.go(SECOND_JOINER)
     victim = procs.workers[VICTIM]
     procs.wait_until(
@@ -440,18 +471,17 @@ def _play(
     )
     if victim.returncode != -signal.SIGKILL:
         raise ScenarioError(
-            f"worker {VICTIM} ended with exit status {victim.returncode}, not by its SIGKILL "
-            f"(did the job end before it had {WORKERS} workers?){procs.stderr_tail(VICTIM)}"
+            f"worker {VICTIM} ended with exit status {victim.returncode}, not by its SIGKILL"
+            f"{procs.stderr_tail(VICTIM)}"
         )
-
-    def recovered() -> bool:
-        # A committed step of the survivors' worker set: the late joiner then joins a
-        # running job instead of the recovery round.
-        lines = steps_of(FIRST)
-        full = [i for i, line in enumerate(lines) if line["workers"] == WORKERS]
-        return bool(full) and any(line["workers"] < WORKERS for line in lines[full[-1] :])
-
-    procs.wait_until("the survivors to recover", recovered, [FIRST, SECOND_JOINER], tick)
+    # The late joiner goes once the survivors have re-formed without the victim, so that
+    # it joins the running job, not the recovery round.
+    procs.wait_until(
+        "the survivors to recover",
+        lambda: log(FIRST).holds_with(WORKERS - 1) > holds_before,
+        [FIRST, SECOND_JOINER],
+        tick,
+    )
     procs.go(LATE_JOINER)
     finishing = [FIRST, SECOND_JOINER, LATE_JOINER]
     procs.wait_until(
@@ -473,9 +503,10 @@ def _collect(outcome: Outcome, folder: Path) -> dict[str, dict[str, torch.Tensor
     parameters."""
     by_step: dict[int, list[dict[str, Any]]] = {}
     for name in NAMES:
-        steps, end = read_log(folder / f"{name}.jsonl")
-        outcome.events[name] = [] if end is None else end["events"]
-        for line in steps:
+        log = WorkerLog.read(folder / f"{name}.jsonl")
+        outcome.events[name] = [] if log.end is None else log.end["events"]
+        outcome.first_steps[name] = log.steps[0]["step"] if log.steps else None
+        for line in log.steps:
             by_step.setdefault(line["step"], []).append(line)
     if sorted(by_step) != list(range(outcome.steps)):
         missing = sorted(set(range(outcome.steps)) - set(by_step))
@@ -592,6 +623,8 @@ def run(settings: dict[str, Any], data: tuple[torch.Tensor, ...], out: Path) -> 
     folder.mkdir(parents=True, exist_ok=True)
     for stale in folder.iterdir():
         stale.unlink()
+    # Saves each worker importing scikit-learn.
+    torch.save({"x": x_train, "y": y_train}, folder / "data.pt")
     print(
         f"\nelastic: the same CNN, B={settings['batch_size']}, V={settings['virtual_nodes']}, "
         f"{steps} steps ({epochs} epoch(s)), deterministic, in vflow.elastic worker "
