@@ -61,6 +61,9 @@ NAMES = (FIRST, VICTIM, SECOND_JOINER, LATE_JOINER)
 # The victim dies in its second step with all three workers: the first one shows that
 # the full worker set trains.
 KILL_STEP = 1
+# (reason, workers after) of the changes, as the first worker sees them.
+PLANNED_EVENTS = [("start", 1), ("grow", 2), ("grow", WORKERS), ("crash", WORKERS - 1),
+                  ("grow", WORKERS), ("finish", WORKERS)]  # fmt: skip
 # The changes take 8 steps (two per join, the kill's step and its repetition); a few
 # more show the final worker set train.
 MIN_STEPS = demo.MIN_ELASTIC_STEPS
@@ -268,33 +271,70 @@ class Outcome:
     reference_seconds: float = math.nan
 
     def table_rows(self) -> list[dict[str, Any]]:
-        """The changes as the first worker saw them (it saw all), with what caused each."""
+        """The changes as the first worker saw them (it is in every worker set), each
+        with what caused it ("what") and a short form for the plot ("label")."""
         rows = []
         for event in self.events.get(FIRST, []):
             reason = event["reason"]
             if reason == "start":
-                what = f"{FIRST} starts the job alone"
+                what, label = f"{FIRST} starts the job alone", f"start: {FIRST}"
             elif reason == "grow":
-                joined = [
+                joined = " and ".join(
                     name
                     for name, first in self.first_steps.items()
                     if name != FIRST and first == event["step"]
-                ]
-                what = f"{' and '.join(joined) or 'a worker'} joins"
+                )
+                what, label = f"{joined or 'a worker'} joins", f"+{joined or '?'}"
             elif reason == "crash":
                 what = (
                     f"{VICTIM} killed by SIGKILL in its backward; the others redo step "
                     f"{event['step']}"
                 )
+                label = f"{VICTIM} killed"
             elif reason == "finish":
-                what = f"done; {', '.join(self.finishers)} hold the final state"
+                what, label = f"done; {', '.join(self.finishers)} hold the final state", "done"
             else:
-                what = reason
-            rows.append({**event, "what": what})
+                what = label = reason
+            rows.append({**event, "what": what, "label": f"{label} → {event['workers']}"})
         return rows
 
+    def as_planned(self) -> bool:
+        """Whether the first worker saw the planned changes, and no others."""
+        seen = [(event["reason"], event["workers"]) for event in self.events.get(FIRST, [])]
+        return seen == PLANNED_EVENTS
+
+    def one_worker_set(self) -> str | None:
+        """None when the workers that finished the job did so as one worker set, else
+        what they reported: two sets that each finished would be a split job."""
+        ends = {name: events[-1] for name, events in self.events.items() if name in self.finishers}
+        if (
+            all(e["reason"] == "finish" for e in ends.values())
+            and len({(e["round"], e["workers"]) for e in ends.values()}) == 1
+            and all(e["workers"] == len(self.finishers) for e in ends.values())
+        ):
+            return None
+        return ", ".join(f"{name}: {end}" for name, end in sorted(ends.items()))
+
+    def verdict(self, tensors: int, virtual_nodes: int) -> str:
+        if not self.identical:
+            return (
+                "elastic: the final parameters DIFFER from the fixed-hardware run's (expected "
+                f"bitwise-equal; max difference {self.max_param_diff:.2e})"
+            )
+        return (
+            f"elastic: the final parameters of {', '.join(self.finishers)} equal the "
+            f"fixed-hardware run's bitwise (torch.equal on all {tensors} tensors; 1 process, "
+            f"V={virtual_nodes}, same seed and data order)"
+            + ("" if self.same_losses else ", but the loss curves differ")
+        )
+
     def record(self) -> dict[str, Any]:
-        return {**asdict(self), "table": self.table_rows()}
+        return {
+            **asdict(self),
+            "table": self.table_rows(),
+            "as_planned": self.as_planned(),
+            "split": self.one_worker_set(),
+        }
 
 
 class _Processes:
@@ -313,25 +353,26 @@ class _Processes:
         )
 
     def start_store(self) -> str:
-        self.store = subprocess.Popen(
-            [sys.executable, "-m", "vflow", "rendezvous", "--port", "0"],
-            stdout=subprocess.PIPE,
-            stderr=(self.folder / "rendezvous.err").open("w"),
-            text=True,
-            env=self.env,
-        )
-        line = self._read_line(self.store, "the rendezvous store's address")
-        return line
+        with (self.folder / "rendezvous.err").open("w") as err:
+            self.store = subprocess.Popen(
+                [sys.executable, "-m", "vflow", "rendezvous", "--port", "0"],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=self.env,
+            )
+        return self._read_line(self.store, "the rendezvous store's address")
 
     def start_worker(self, name: str, argv: list[str]) -> None:
-        self.workers[name] = subprocess.Popen(
-            [sys.executable, "-m", "vflow.demo_elastic", "--worker", "--name", name, *argv],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=(self.folder / f"{name}.err").open("w"),
-            text=True,
-            env=self.env,
-        )
+        with (self.folder / f"{name}.err").open("w") as err:
+            self.workers[name] = subprocess.Popen(
+                [sys.executable, "-m", "vflow.demo_elastic", "--worker", "--name", name, *argv],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=self.env,
+            )
 
     def wait_ready(self, name: str) -> None:
         line = self._read_line(self.workers[name], f"worker {name} to start")
@@ -374,13 +415,18 @@ class _Processes:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=30)
-        if self.store is not None and self.store.poll() is None:
-            self.store.terminate()
+        if self.store is not None:
+            if self.store.poll() is None:
+                self.store.terminate()
             try:
                 self.store.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.store.kill()
                 self.store.wait(timeout=30)
+        for proc in [*self.workers.values(), *([self.store] if self.store else [])]:
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
 
     def _read_line(self, proc: subprocess.Popen[str], what: str) -> str:
         assert proc.stdout is not None
@@ -585,7 +631,7 @@ def plot(outcome: Outcome, path: Path, title: str) -> None:
         for ax in (loss_ax, workers_ax):
             ax.axvline(x, color=color, linestyle="--", linewidth=1)
         loss_ax.annotate(
-            f"{row['reason']} → {row['workers']}",
+            row["label"],
             xy=(x, 1.0),
             xycoords=("data", "axes fraction"),
             xytext=(2, -4),
@@ -596,7 +642,6 @@ def plot(outcome: Outcome, path: Path, title: str) -> None:
             color=color,
         )
     loss_ax.set_ylabel("training loss (global batch)")
-    loss_ax.set_yscale("log")
     loss_ax.set_title(title, fontsize=10)
     loss_ax.legend(fontsize=8, loc="lower left")
     workers_ax.step(steps, outcome.workers_per_step, where="mid", color="tab:blue")
@@ -612,47 +657,44 @@ def plot(outcome: Outcome, path: Path, title: str) -> None:
 
 def run(settings: dict[str, Any], data: tuple[torch.Tensor, ...], out: Path) -> bool:
     """Plays the scenario with the demo's ``settings`` (epochs, batch_size,
-    virtual_nodes >= WORKERS, lr, seed, timeout), prints its table and verdict, writes
-    its files to ``out``; True when it played out and ended bitwise equal to the
-    reference."""
+    virtual_nodes >= WORKERS, lr, seed, timeout) and data, prints its table and verdict,
+    and writes its files to ``out``. True when it played out as one worker set to the
+    end and ended bitwise equal to the fixed-hardware run."""
     x_train, y_train = data[0], data[1]
     steps_per_epoch = len(y_train) // settings["batch_size"]
     epochs, steps = scenario_steps(steps_per_epoch, settings["epochs"])
     outcome = Outcome(epochs, steps)
-    folder = out / "elastic"
+    folder, png, record = out / "elastic", out / "elastic.png", out / "elastic.json"
     folder.mkdir(parents=True, exist_ok=True)
-    for stale in folder.iterdir():
-        stale.unlink()
+    for stale in [*folder.iterdir(), png, record]:
+        stale.unlink(missing_ok=True)
     # Saves each worker importing scikit-learn.
     torch.save({"x": x_train, "y": y_train}, folder / "data.pt")
     print(
-        f"\nelastic: the same CNN, B={settings['batch_size']}, V={settings['virtual_nodes']}, "
-        f"{steps} steps ({epochs} epoch(s)), deterministic, in vflow.elastic worker "
-        f"processes: {FIRST} starts alone, {VICTIM} and {SECOND_JOINER} join, {VICTIM} is "
-        f"killed by SIGKILL during its backward, {LATE_JOINER} joins",
+        f"\nelastic: the same training ({steps} steps, {epochs} epoch(s)) by "
+        f"vflow.elastic.ElasticJob in worker processes: {FIRST} starts alone, {VICTIM} and "
+        f"{SECOND_JOINER} join, {VICTIM} is killed by SIGKILL during its backward, "
+        f"{LATE_JOINER} joins",
         flush=True,
     )
     bar = demo.ProgressBar(steps)
-    bar.start_run(f"elastic: {FIRST} → {', '.join(NAMES[1:])}, {VICTIM} killed")
+    bar.start_run(f"elastic: {FIRST}, +{VICTIM}, +{SECOND_JOINER}, {VICTIM} killed, +{LATE_JOINER}")
     started = time.monotonic()
     procs = _Processes(folder, started + settings["timeout"])
     try:
         _play(procs, outcome, settings, bar)
         outcome.seconds = time.monotonic() - started
         bar.end_run()
+        finished = _collect(outcome, folder)
     except ScenarioError as e:
         bar.finish()
+        record.write_text(json.dumps({"settings": settings, "error": str(e)}, indent=2) + "\n")
         print(f"elastic: FAILED: {e}\n(the workers' files are in {folder})")
         return False
     finally:
         procs.close()
+        outcome.exit_codes = {name: proc.returncode for name, proc in procs.workers.items()}
     bar.finish()
-    outcome.exit_codes = {name: proc.returncode for name, proc in procs.workers.items()}
-    try:
-        finished = _collect(outcome, folder)
-    except ScenarioError as e:
-        print(f"elastic: FAILED: {e}\n(the workers' files are in {folder})")
-        return False
     began = time.monotonic()
     want, outcome.reference_losses = reference(settings, x_train, y_train, steps)
     outcome.reference_seconds = time.monotonic() - began
@@ -666,30 +708,24 @@ def run(settings: dict[str, Any], data: tuple[torch.Tensor, ...], out: Path) -> 
     print()
     print(format_table(["step", "event", "workers after", "seconds", "what happened"], rows))
     print()
-    if outcome.identical:
+    split = outcome.one_worker_set()
+    if split is not None:
+        print(f"elastic: the finishing workers were not one worker set: {split}")
+    elif not outcome.as_planned():
         print(
-            f"elastic: the final parameters of {', '.join(outcome.finishers)} equal the "
-            f"fixed-hardware run's bitwise (torch.equal on all {len(want)} tensors; 1 "
-            f"process, V={settings['virtual_nodes']}, same seed and data order)"
-            + ("" if outcome.same_losses else "; but the loss curves differ")
+            "elastic: note: the worker set changed other than planned "
+            f"({', '.join(f'{reason} → {n}' for reason, n in PLANNED_EVENTS)})"
         )
-    else:
-        print(
-            "elastic: the final parameters DIFFER from the fixed-hardware run's (expected "
-            f"bitwise-equal; max difference {outcome.max_param_diff:.2e})"
-        )
-    png, record = out / "elastic.png", out / "elastic.json"
+    print(outcome.verdict(len(want), settings["virtual_nodes"]))
     plot(
         outcome,
         png,
         f"digits, B={settings['batch_size']}, V={settings['virtual_nodes']}, deterministic: "
-        "an elastic job vs the same job on fixed hardware",
+        "an elastic job and the same job on fixed hardware",
     )
-    record.write_text(
-        json.dumps({"settings": settings, **outcome.record()}, indent=2, default=str) + "\n"
-    )
-    print(f"wrote {png}, {record} and the workers' files in {folder}")
-    return outcome.identical and outcome.same_losses
+    record.write_text(json.dumps({"settings": settings, **outcome.record()}, indent=2) + "\n")
+    print(f"wrote {png}, {record} and the workers' files in {folder}/")
+    return outcome.identical and outcome.same_losses and split is None
 
 
 if __name__ == "__main__":
