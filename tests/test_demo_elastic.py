@@ -232,7 +232,7 @@ def test_short_run_ends_bitwise_equal_to_fixed_hardware(tmp_path: Path) -> None:
     assert lines[header].split() == ["step", "event", "workers", "after", "seconds", "what",
                                      "happened"]  # fmt: skip
     rows = lines[header + 2 : header + 2 + len(PLANNED_ROWS)]
-    assert lines[header + 2 + len(PLANNED_ROWS)] == ""
+    assert lines[header + 2 + len(PLANNED_ROWS)] == "", stdout
     record = json.loads((out / "elastic.json").read_text())
     for row, planned, event in zip(rows, PLANNED_ROWS, record["table"], strict=True):
         step, reason, workers, seconds, what = row.split(maxsplit=4)

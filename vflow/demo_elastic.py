@@ -70,7 +70,9 @@ MIN_STEPS = demo.MIN_ELASTIC_STEPS
 HOLD_S = 30.0  # the longest hold before a step (see the module docstring)
 # The activation the kill hook sits on: the output of the second convolution's ReLU.
 _HOOKED_LAYER = 3
-_COLLECTIVE_TIMEOUT_S = 10.0  # ElasticJob(timeout_s=): a few times the slowest step
+# ElasticJob(timeout_s=): a few times the slowest step. Also how long a survivor may
+# wait in a collective of a crashed worker set that the others have left.
+_COLLECTIVE_TIMEOUT_S = 5.0
 _PHASE_TIMEOUT_S = 120.0
 _POLL_S = 0.05
 
