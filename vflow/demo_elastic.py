@@ -73,6 +73,12 @@ _HOOKED_LAYER = 3
 # ElasticJob(timeout_s=): a few times the slowest step. Also how long a survivor may
 # wait in a collective of a crashed worker set that the others have left.
 _COLLECTIVE_TIMEOUT_S = 5.0
+# A round completes at the first poll of one of its participants after the last call,
+# and workers on the wait list poll once a second (torch's DynamicRendezvousHandler).
+# With a last call under a second, a member of the job can miss the round that the
+# others form with a joiner, and needs another round to rejoin; 1.5 s leaves every
+# waiting worker one poll inside the last call.
+_LAST_CALL_S = 1.5
 _PHASE_TIMEOUT_S = 120.0
 _POLL_S = 0.05
 
@@ -236,7 +242,7 @@ def worker_main(argv: list[str]) -> int:
             args.job,
             timeout_s=_COLLECTIVE_TIMEOUT_S,
             join_timeout_s=_PHASE_TIMEOUT_S,
-            last_call_s=0.5,
+            last_call_s=_LAST_CALL_S,
             keep_alive_s=0.5,
             keep_alive_attempts=4,
         )
