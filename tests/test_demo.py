@@ -45,7 +45,7 @@ def test_short_run_gives_identical_vflow_mappings_and_writes_the_plot(tmp_path: 
     out = tmp_path / "demo"
     result = subprocess.run(
         [sys.executable, "-m", "vflow", "demo", "--epochs", "1", "--mappings", "1", "2", "2,1,1",
-         "--virtual-nodes", "4", "--batch-size", "128", "--out", str(out)],
+         "--virtual-nodes", "4", "--batch-size", "128", "--out", str(out), "--no-elastic"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
@@ -71,6 +71,7 @@ def test_short_run_gives_identical_vflow_mappings_and_writes_the_plot(tmp_path: 
     assert max(d for d in half_batch["param_diff_per_step"] if d is not None) > 0
     png = (out / "loss_curves.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    assert not (out / "elastic.json").exists()  # --no-elastic (tests/test_demo_elastic.py)
 
 
 def test_help_describes_every_option_once(capsys) -> None:

@@ -10,8 +10,13 @@ table (mapping, global batch, final loss and test accuracy, the largest paramete
 difference to the first mapping, wall time), and writes to the output folder a PNG
 with two panels — the loss curves, and the largest parameter difference to the first
 run at every step, which stays exactly 0 for the vflow mappings and grows for the
-baseline — and a JSON of every number. The exit status is 1 if the vflow mappings do
-not end with bitwise-identical parameters.
+baseline — and a JSON of every number.
+
+Then, unless --no-elastic, the elastic scenario of vflow/demo_elastic.py: the same
+training by vflow.elastic.ElasticJob while one worker grows to three, one of them is
+killed with SIGKILL mid-step and another joins, checked bitwise against the
+fixed-hardware run. The exit status is 1 if the vflow mappings do not end with
+bitwise-identical parameters, or the elastic job not with the fixed-hardware run's.
 """
 
 from __future__ import annotations
@@ -40,13 +45,19 @@ DESCRIPTION = (
     "Train a small CNN on scikit-learn's digits with the same global batch B and V "
     "virtual nodes on 1, 2 and 4 Gloo worker processes and an uneven plan "
     "(deterministic mode: the runs end bitwise identical), beside data parallelism "
-    "without virtual nodes, whose global batch grows with the worker count. Prints a "
-    "table and writes loss_curves.png and results.json to --out."
+    "without virtual nodes, whose global batch grows with the worker count. Then an "
+    "elastic job (vflow.elastic) with the same settings: one worker grows to three, one "
+    "is killed with SIGKILL mid-step, another joins, and the job ends bitwise equal to "
+    "the fixed-hardware run. Prints tables and writes loss_curves.png, results.json, "
+    "elastic.png and elastic.json to --out."
 )
 # The store key under which rank 0 counts the steps it has done, for the progress bar.
 _PROGRESS_KEY = "vflow/demo/steps"
 # Per rendezvous and collective inside the workers.
 _COLLECTIVE_TIMEOUT_S = 120.0
+# The elastic scenario's worker count and least number of steps (vflow/demo_elastic.py).
+ELASTIC_WORKERS = 3
+MIN_ELASTIC_STEPS = 12
 
 
 def load_digits_split(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -64,6 +75,11 @@ def load_digits_split(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     x, y = x[order], y[order]
     n_test = len(y) // 5
     return x[n_test:], y[n_test:], x[:n_test], y[:n_test]
+
+
+def epoch_order(samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The order in which every run of the demo reads the training set in ``epoch``."""
+    return torch.randperm(samples, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
 
 
 def make_model(seed: int) -> nn.Module:
@@ -205,9 +221,7 @@ def _train(
     for epoch in range(args["epochs"]):
         # The data order depends on (seed, epoch) alone: every run sees the same samples
         # in the same order, in batches of its own global size.
-        order = torch.randperm(
-            len(y_train), generator=torch.Generator().manual_seed(args["seed"] * 1000 + epoch)
-        )
+        order = epoch_order(len(y_train), args["seed"], epoch)
         for step in range(steps_per_epoch):
             idx = order[step * run.global_batch : (step + 1) * run.global_batch]
             if ex is not None:
@@ -442,6 +456,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-baseline", action="store_true", help="skip the baseline runs")
     parser.add_argument(
+        "--no-elastic",
+        action="store_true",
+        help="skip the elastic scenario (vflow/demo_elastic.py: --epochs epochs, at least "
+        f"{MIN_ELASTIC_STEPS} steps; it needs V >= {ELASTIC_WORKERS})",
+    )
+    parser.add_argument(
         "--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default: 0.05)"
     )
     parser.add_argument(
@@ -455,13 +475,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         type=Path,
         default=Path("vflow_out/demo"),
-        help="output folder for loss_curves.png and results.json (default: vflow_out/demo)",
+        help="output folder for loss_curves.png, results.json, elastic.png, elastic.json "
+        "and the elastic workers' files (default: vflow_out/demo)",
     )
     parser.add_argument(
         "--timeout",
         type=float,
         default=600.0,
-        help="seconds per run before its workers are stopped (default: 600)",
+        help="seconds per run, and for the whole elastic scenario, before the workers are "
+        "stopped (default: 600)",
     )
     return parser
 
@@ -482,6 +504,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--timeout must be > 0, got {args.timeout}")
     if args.baseline_batch is not None and args.baseline_batch < 1:
         parser.error(f"--baseline-batch must be >= 1, got {args.baseline_batch}")
+    if not args.no_elastic and args.virtual_nodes < ELASTIC_WORKERS:
+        parser.error(
+            f"the elastic scenario grows to {ELASTIC_WORKERS} workers: it needs "
+            f"--virtual-nodes >= {ELASTIC_WORKERS} (or --no-elastic)"
+        )
     try:
         mappings = [
             plan_counts(spec, args.virtual_nodes)
@@ -589,4 +616,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     (args.out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {png} and {args.out / 'results.json'}")
-    return 0 if identical and same_losses else 1
+    ok = identical and same_losses
+    if not args.no_elastic:
+        from vflow import demo_elastic
+
+        ok = demo_elastic.run(settings | {"batch_size": args.batch_size}, data, args.out) and ok
+    return 0 if ok else 1
