@@ -193,6 +193,12 @@ class ElasticJob:
         ):
             if not _positive(value):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if _positive(keep_alive_s) and keep_alive_s * keep_alive_attempts < 2.0:
+            # torch's handler polls the rendezvous once a second, heartbeat included.
+            raise ValueError(
+                "keep_alive_s * keep_alive_attempts must be >= 2 s (the rendezvous polls "
+                f"once a second), got {keep_alive_s} * {keep_alive_attempts}"
+            )
         if not (_positive(last_call_s) or last_call_s == 0):
             raise ValueError(f"last_call_s must be a finite number >= 0, got {last_call_s!r}")
         if checkpoint is not None and not isinstance(checkpoint, str):
@@ -386,6 +392,12 @@ class ElasticJob:
         round_ranks = list(range(rnd.world_size))  # group rank -> rank in the round
         shrinks = 0
         while ex.step_count < steps:
+            if rdzv.evicted():
+                _log.warning(
+                    "vflow elastic: dropped from round %d (heartbeats lapsed); re-joining",
+                    rnd.number,
+                )
+                return _Outcome("crash", time.monotonic())
             word = (WAITING if rdzv.waiting() else 0) | (LEAVE if self._leave.is_set() else 0)
             ex.signal(word)
             step = ex.step_count

@@ -242,6 +242,7 @@ class Rendezvous:
         )
         self._lock = threading.Lock()  # the poller and next_round never overlap
         self._waiting = 0
+        self._evicted = False
         self._in_round = False
         self._closed = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="vflow-rendezvous", daemon=True)
@@ -255,9 +256,14 @@ class Rendezvous:
         with self._lock:
             self._in_round = False
             info = self._handler.next_rendezvous()
-            self._waiting = 0
-            self._in_round = True
             number = self._handler._state_holder.state.round
+            # The handler's join loop sends a heartbeat only once per 1 s poll and its timer
+            # ticks first keep_alive_s after the round: without this one, a member's
+            # heartbeat can age past the expiry and a peer drops it from the round.
+            self._handler._keep_alive()
+            self._waiting = 0
+            self._evicted = False
+            self._in_round = True
         return Round(number, info.rank, info.world_size, info.store)
 
     @property
@@ -268,6 +274,11 @@ class Rendezvous:
     def waiting(self) -> int:
         """Workers waiting to join, as last seen by the poller (0 outside a round)."""
         return self._waiting
+
+    def evicted(self) -> bool:
+        """Whether the rendezvous dropped this worker from its round (its heartbeats
+        lapsed): it must join the next round, or two worker sets could train apart."""
+        return self._evicted
 
     def leave(self) -> None:
         """Leaves the current round without ending the job; the others go on."""
@@ -303,7 +314,9 @@ class Rendezvous:
                 if not self._in_round:
                     continue
                 try:
-                    self._waiting = self._handler.num_nodes_waiting()
+                    self._waiting = self._handler.num_nodes_waiting()  # syncs the state
+                    state = self._handler._state_holder.state
+                    self._evicted = self._handler._this_node not in state.participants
                 except Exception:
                     # A store that went away shows in the next round; the step's own
                     # collectives are not affected by it.
