@@ -395,6 +395,7 @@ def test_an_unreachable_rendezvous_is_a_clear_error() -> None:
         ({"timeout_s": 0}, "timeout_s must be a finite number > 0"),
         ({"keep_alive_s": float("nan")}, "keep_alive_s must be a finite number > 0"),
         ({"last_call_s": -1}, "last_call_s must be a finite number >= 0"),
+        ({"keep_alive_s": 0.25}, r"keep_alive_s \* keep_alive_attempts must be >= 2 s"),
         ({"backend": "mpi"}, "backend must be 'gloo' or 'nccl'"),
     ],
 )
