@@ -311,3 +311,25 @@ def _no_plan(models: Sequence[WorkerModel], vn_size: int) -> str:
         f"no plan fits the memory caps: VNs need up to {vn_size} samples, the workers' "
         f"max_vn_size are {caps}; raise the caps or V"
     )
+
+
+class Planner:
+    """The plan for the workers of ``profiles`` (Note [The planner's model]): a pure
+    function of its inputs, so every rank that holds the same profiles gets the same plan.
+
+    ``Planner(kind="counts" | "sizes", max_vn_size=None)(profiles, batch_size)`` returns
+    a Prediction (plan and predicted step time); ``profiles`` are StepProfiles of the
+    same workers (``Executor.last_profile``), V is read from them.
+    """
+
+    def __init__(self, kind: str = "counts", max_vn_size: Sequence[int | None] | None = None):
+        if kind not in ("counts", "sizes"):
+            raise ValueError(f"kind must be 'counts' or 'sizes', got {kind!r}")
+        self.kind = kind
+        self.max_vn_size = None if max_vn_size is None else list(max_vn_size)
+
+    def __call__(self, profiles: Sequence[StepProfile], batch_size: int) -> Prediction:
+        models = models_from_profiles(profiles, self.max_vn_size)
+        virtual_nodes = sum(len(w.vns) for w in profiles[0].workers)
+        solve = plan_counts if self.kind == "counts" else plan_sizes
+        return solve(models, virtual_nodes, batch_size, exposed_comm(profiles))
