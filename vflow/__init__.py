@@ -6,27 +6,32 @@ of a process group; each worker runs its VNs one after another, accumulating
 gradients in fused flat buffers, then all workers reduce and step once.
 """
 
-from vflow import elastic, ops
+from vflow import elastic, emulation, ops, planner
 from vflow._extension import _C
 from vflow._version import __version__
 from vflow.amp import LossScaler
+from vflow.auto_plan import AutoPlan, PlanChange
 from vflow.batching import split_sizes
 from vflow.checkpoint import load, save
 from vflow.data import VNBatchSampler
 from vflow.distributed import CollectiveError
 from vflow.executor import Executor
 from vflow.plan import Plan, VNSlice
+from vflow.planner import Planner
 from vflow.prefetch import VNTransform
 from vflow.profile import StepProfile, VNProfile, WorkerProfile
 from vflow.results import PhaseTimings, StepResult
 
 __all__ = [
     "_C",
+    "AutoPlan",
     "CollectiveError",
     "Executor",
     "LossScaler",
     "PhaseTimings",
     "Plan",
+    "PlanChange",
+    "Planner",
     "StepProfile",
     "StepResult",
     "VNBatchSampler",
@@ -36,8 +41,10 @@ __all__ = [
     "WorkerProfile",
     "__version__",
     "elastic",
+    "emulation",
     "load",
     "ops",
+    "planner",
     "save",
     "split_sizes",
 ]

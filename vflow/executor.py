@@ -36,6 +36,7 @@ import torch
 
 from vflow import inference, membership, rng, training_state
 from vflow.amp import LossScaler
+from vflow.auto_plan import AutoPlan, PlanChange
 from vflow.batching import Batch
 from vflow.config import Deterministic, ExecutorConfig
 from vflow.distributed import World, check_plan, default_plan, resolve_group, to_timedelta
@@ -81,6 +82,9 @@ class Executor:
             the optimizer step (torch.nn.utils.clip_grad_norm_ semantics).
         plan: which VNs each worker of the process group runs (vflow.Plan); defaults
             to ``Plan.even(virtual_nodes, world_size)``. Replace it with ``set_plan``.
+            ``"auto"`` (or a ``vflow.AutoPlan`` with settings): start even, then plan
+            from the workers' measured speeds and re-plan when they change (Note
+            [Automatic plans], vflow/auto_plan.py; ``plan_history`` lists the changes).
         process_group: the torch.distributed group whose workers share the step;
             defaults to the default group when torch.distributed is initialised, else
             this process alone. Every rank must construct its Executor with the same
@@ -137,7 +141,7 @@ class Executor:
         skip_nonfinite: bool | None = None,
         buffer_rule: str = "vn0",
         max_grad_norm: float | None = None,
-        plan: Plan | None = None,
+        plan: Plan | AutoPlan | str | None = None,
         process_group: torch.distributed.ProcessGroup | None = None,
         timeout: float | datetime.timedelta = 600.0,
         bucket_cap_mb: float = 25.0,
@@ -180,10 +184,15 @@ class Executor:
         reduction = for_kind(config.deterministic)
         reduction.check_support(params, config.accumulate_dtype, config.virtual_nodes)
         world = World(resolve_group(process_group), config.timeout)
+        auto = _auto_plan(plan)
+        if auto is not None:
+            auto.check(bool(config.deterministic), world.size)
+            plan = None
         plan = self._checked_plan(plan, config.virtual_nodes, world.size)
         prepared = reduction.prepare_world(plan, world.rank)
 
         self.config = config
+        self._auto = auto
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -309,6 +318,8 @@ class Executor:
         membership.check_agreement(self._world, [membership.Column("plan", repr(plan), repr(plan))])
         self._grads.reduction.apply_world(prepared)
         self._plan = plan
+        if self._auto is not None:
+            self._auto.reset()  # profiles of the new plan from now on
 
     def reconfigure(
         self,
@@ -345,6 +356,8 @@ class Executor:
         world = World(resolve_group(process_group), config.timeout)
         plan = self._checked_plan(plan, self.virtual_nodes, world.size)
         prepared = self._grads.reduction.prepare_world(plan, world.rank)
+        if self._auto is not None:
+            self._auto.check(bool(config.deterministic), world.size)
         progress = training_state.Progress(self.step_count, self.skipped_steps, self.seed)
         membership.join(
             world,
@@ -371,6 +384,8 @@ class Executor:
         self._own_profile = None
         self._gathered_profile = None
         self._last_result = None
+        if self._auto is not None:
+            self._auto.reset()  # other workers, other speeds
 
     @staticmethod
     def _checked_plan(plan: Plan | None, virtual_nodes: int, world_size: int) -> Plan:
@@ -390,6 +405,7 @@ class Executor:
         )
         return [
             membership.Column("plan", repr(plan), repr(plan)),
+            membership.Column("automatic plan", repr(self._auto), f"plan={self._auto!r}"),
             membership.Column(
                 "model layout", layout, "this rank's parameter and buffer shapes/dtypes"
             ),
@@ -484,7 +500,25 @@ class Executor:
             if run.gathered_profile is not None:
                 self._gathered_profile = run.gathered_profile
         self.step_count += 1
+        if self._auto is not None and run.gathered_profile is not None:
+            self._follow_auto_plan(run.gathered_profile, total)
         return result
+
+    def _follow_auto_plan(self, profile: StepProfile, batch_size: int) -> None:
+        """Note [Automatic plans]: every rank decides the same from the same profile,
+        so the new plan needs no agreement round."""
+        assert self._auto is not None
+        new = self._auto.observe(profile, self._plan, batch_size, self.step_count)
+        if new is None:
+            return
+        prepared = self._grads.reduction.prepare_world(new, self.rank)
+        self._grads.reduction.apply_world(prepared)
+        self._plan = new
+
+    @property
+    def plan_history(self) -> list[PlanChange]:
+        """The automatic plan changes (``plan="auto"``), oldest first; empty otherwise."""
+        return [] if self._auto is None else list(self._auto.history)
 
     @property
     def last_profile(self) -> StepProfile | None:
@@ -614,3 +648,13 @@ class Executor:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _auto_plan(plan: object) -> AutoPlan | None:
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise ValueError(
+                f"plan must be a vflow.Plan, 'auto', a vflow.AutoPlan or None, got {plan!r}"
+            )
+        return AutoPlan()
+    return plan if isinstance(plan, AutoPlan) else None

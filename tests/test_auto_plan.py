@@ -1,0 +1,98 @@
+"""vflow.auto_plan.AutoPlan: when it plans, re-plans and keeps a plan, from synthetic
+profiles (the multi-rank runs are in tests/test_heterogeneous.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vflow.auto_plan import AutoPlan
+from vflow.batching import split_sizes
+from vflow.plan import Plan
+from vflow.profile import StepProfile, VNProfile, WorkerProfile
+
+V, B = 12, 120
+
+
+def _profile(plan: Plan, per_sample: list[float], step: int = 0, comm: float = 0.01) -> StepProfile:
+    sizes = split_sizes(B, V)
+    workers = []
+    for w, cost in enumerate(per_sample):
+        vns = tuple(VNProfile(vn, sizes[vn], 0.0, sizes[vn] * cost) for vn in plan.vns(w))
+        compute = sum(v.backward_s for v in vns)
+        workers.append(WorkerProfile(w, step, vns, compute, comm, 0.0, compute + comm))
+    return StepProfile(step, tuple(workers))
+
+
+def test_plans_after_the_warmup_and_keeps_a_good_plan() -> None:
+    auto = AutoPlan(warmup=2)
+    even = Plan.even(V, 2)
+    assert auto.observe(_profile(even, [1e-3, 2e-3]), even, B, 1) is None
+    new = auto.observe(_profile(even, [1e-3, 2e-3]), even, B, 2)
+    assert new == Plan(counts=[8, 4])
+    (change,) = auto.history
+    assert (change.step, change.reason, change.old, change.new) == (2, "profiled", even, new)
+    assert change.predicted_old_s / change.predicted_new_s == pytest.approx(
+        (60 * 2e-3 + 0.01) / (80 * 1e-3 + 0.01),
+        rel=1e-9,  # slowest compute + comm
+    )
+    for step in range(3, 10):  # speeds as predicted: no change
+        assert auto.observe(_profile(new, [1e-3, 2e-3], step), new, B, step + 1) is None
+    assert len(auto.history) == 1
+
+
+def test_a_straggler_is_replanned_after_patience_drifting_steps() -> None:
+    auto = AutoPlan(warmup=2, patience=2)
+    plan = Plan.even(V, 2)
+    for step in range(2):
+        plan = auto.observe(_profile(plan, [1e-3, 1e-3]), plan, B, step + 1) or plan
+    assert plan == Plan.even(V, 2) and auto.history == []  # equal speeds: even is best
+    decided = []
+    for step in range(2, 10):
+        speeds = [1e-3, 1e-3] if step < 5 else [1e-3, 3e-3]  # worker 1 slows 3x at step 5
+        new = auto.observe(_profile(plan, speeds, step), plan, B, step + 1)
+        if new is not None:
+            decided.append(step + 1)
+            plan = new
+    assert decided == [7]  # steps 5 and 6 drift; runs under the new plan from step 7
+    assert plan == Plan(counts=[9, 3])
+    assert auto.history[-1].reason == "drift"
+
+
+def test_small_gains_are_refused_and_foreign_profiles_ignored() -> None:
+    auto = AutoPlan(warmup=1, min_gain=0.2)
+    even = Plan.even(V, 2)
+    assert auto.observe(_profile(even, [1e-3, 1.2e-3]), even, B, 1) is None  # ~9 % only
+    other = Plan(counts=[4, 8])
+    fresh = AutoPlan(warmup=1)
+    assert fresh.observe(_profile(other, [1e-3, 2e-3]), even, B, 1) is None  # not this plan
+    assert fresh.history == []
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="kind must be 'counts' or 'sizes'"):
+        AutoPlan("fast")
+    with pytest.raises(ValueError, match="warmup must be an int >= 1"):
+        AutoPlan(warmup=0)
+    with pytest.raises(ValueError, match="threshold must be a number"):
+        AutoPlan(threshold=-1)
+    with pytest.raises(ValueError, match=r"max_vn_size\[1\] must be an int >= 1 or None"):
+        AutoPlan(max_vn_size=[None, 0])
+    with pytest.raises(ValueError, match="deterministic mode"):
+        AutoPlan("sizes").check(deterministic=True, world_size=2)
+    with pytest.raises(ValueError, match="has 1 entries but the process group has 2"):
+        AutoPlan(max_vn_size=[8]).check(deterministic=False, world_size=2)
+
+
+def test_sizes_plans_balance_when_v_equals_w() -> None:
+    auto = AutoPlan("sizes", warmup=1)
+    even = Plan.even(2, 2)
+    sizes = split_sizes(B, 2)
+    profile = StepProfile(
+        0,
+        tuple(
+            WorkerProfile(w, 0, (VNProfile(w, sizes[w], 0.0, sizes[w] * c),), 0.0, 0.0, 0.0, 0.0)
+            for w, c in enumerate([1e-3, 2e-3])
+        ),
+    )
+    new = auto.observe(profile, even, B, 1)
+    assert new is not None and new.sizes == ((80,), (40,))

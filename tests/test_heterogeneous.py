@@ -1,0 +1,93 @@
+"""plan="auto" on two Gloo ranks, one of them emulated slower (vflow.emulation): the
+executor finds the plan the speeds imply, re-plans when a worker slows down, and in
+deterministic mode trains bitwise as one process does, through every plan change."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import vflow
+from tests.distributed import run_ranks
+from vflow.emulation import SlowDown
+
+V, B, STEPS, SLOW_FROM = 12, 192, 14, 7
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(128, 768),
+        torch.nn.Tanh(),
+        torch.nn.Linear(768, 768),
+        torch.nn.Tanh(),
+        torch.nn.Linear(768, 10),
+    )
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    return [
+        (torch.randn(B, 128, generator=gen), torch.randint(0, 10, (B,), generator=gen))
+        for _ in range(STEPS)
+    ]
+
+
+def _loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def _train(process_group: Any, loss_fn: Any, slow: SlowDown | None, straggle: bool) -> dict:
+    model = _model()
+    ex = vflow.Executor(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        loss_fn,
+        V,
+        seed=1,
+        deterministic=True,
+        plan="auto" if process_group is not None else None,
+        process_group=process_group,
+        timeout=60,
+    )
+    plans = []
+    for step, batch in enumerate(_batches()):
+        if slow is not None:
+            slow.factor = 3.0 if straggle and step >= SLOW_FROM else (1.0 if straggle else 2.0)
+        ex.step(batch)
+        plans.append(ex.plan.counts)
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "plans": plans,
+        "history": [(c.step, c.reason, c.new.counts) for c in ex.plan_history],
+    }
+
+
+def _rank(rank: int, world_size: int) -> dict:
+    torch.set_num_threads(1)
+    results = {}
+    for straggle in (False, True):
+        slow = SlowDown(_loss, 1.0) if rank == 1 else None
+        results[straggle] = _train(torch.distributed.group.WORLD, slow or _loss, slow, straggle)
+    return results
+
+
+def test_auto_plans_follow_emulated_speeds_and_keep_the_bits() -> None:
+    torch.set_num_threads(1)
+    want = _train(None, _loss, None, False)["params"]
+    ranks = [r.value for r in run_ranks(2, _rank, timeout=300)]
+    for rank, result in enumerate(ranks):
+        for straggle, run in result.items():
+            for got, expected in zip(run["params"], want, strict=True):
+                assert torch.equal(got, expected), (rank, straggle)  # bitwise, any plan
+            assert run["history"] == ranks[0][straggle]["history"]  # the same on every rank
+    steady = ranks[0][False]
+    first = steady["history"][0]
+    assert first[1] == "profiled" and first[0] <= 4
+    assert steady["plans"][-1] in ((7, 5), (8, 4), (9, 3))  # 2:1 implies 8:4
+    straggler = ranks[0][True]
+    drift = [h for h in straggler["history"] if h[1] == "drift" and h[0] > SLOW_FROM]
+    assert drift and drift[0][0] <= SLOW_FROM + 5  # re-planned within 5 steps
+    assert straggler["plans"][-1][0] >= 8  # 3:1 implies 9:3
