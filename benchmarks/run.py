@@ -1,6 +1,6 @@
 """The benchmark suite of a source checkout: runs the scripts of this folder (accumulate,
-step, distributed, prefetch; elastic only when named with ``--only``) one after another
-and sums up their headline results in one table (``make bench``).
+step, distributed, prefetch, heterogeneous; elastic only when named with ``--only``) one
+after another and sums up their headline results in one table (``make bench``).
 
 Each script runs as a file in a subprocess of this interpreter, as its README says to
 run it, with ``--json`` into the output folder; its own tables stream to the terminal as
@@ -90,6 +90,17 @@ BENCHMARKS: dict[str, Benchmark] = {
         ),
         Benchmark(
             "prefetch", "prefetch.py", "VN prefetching vs none vs the ideal", True, 300, 1200
+        ),
+        Benchmark(
+            "heterogeneous",
+            "heterogeneous.py",
+            'Gloo ranks at emulated speeds 2:1 and 3:2:1: plan="auto" vs the even plan vs the '
+            "limit; a straggler",
+            False,
+            # Above the script's own limits (3 runs of at most 80 s quick, 350 s full); the
+            # quick run takes about 30 s, the full one about 3.5 min.
+            300,
+            1200,
         ),
         Benchmark(
             "elastic",

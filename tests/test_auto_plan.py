@@ -96,3 +96,41 @@ def test_sizes_plans_balance_when_v_equals_w() -> None:
     )
     new = auto.observe(profile, even, B, 1)
     assert new is not None and new.sizes == ((80,), (40,))
+
+
+def test_returning_to_the_plan_just_left_backs_off_and_quiet_steps_recover() -> None:
+    from vflow.auto_plan import MAX_BACKOFF, RECOVERY_STEPS
+
+    auto = AutoPlan(warmup=1, patience=2)
+    plan = Plan.even(V, 2)
+    step = 0
+
+    def run(speeds: list[float], steps: int) -> list[int]:
+        """Observes ``steps`` steps at ``speeds``; the steps whose profile changed the plan."""
+        nonlocal plan, step
+        changed = []
+        for _ in range(steps):
+            new = auto.observe(_profile(plan, speeds, step), plan, B, step + 1)
+            if new is not None:
+                changed.append(step)
+                plan = new
+            step += 1
+        return changed
+
+    slow, equal = [1e-3, 2e-3], [1e-3, 1e-3]
+    assert run(slow, 1) == [0] and plan == Plan(counts=[8, 4])
+    assert run(slow, 2 * RECOVERY_STEPS) == []  # speeds as predicted: no change
+    # Worker 1 speeds up: seen although it is not the slowest; long after the last
+    # change, so going back to the even plan is a change of speed, not noise.
+    assert run(equal, 2) == [2 * RECOVERY_STEPS + 2] and plan == Plan.even(V, 2)
+    assert auto.drift_patience == 2
+    assert run(slow, 2) == [2 * RECOVERY_STEPS + 4] and plan == Plan(counts=[8, 4])
+    assert auto.drift_patience == 4  # straight back to the plan just left: noise
+    assert run(equal, 3) == [] and run(equal, 1) == [2 * RECOVERY_STEPS + 8]
+    assert auto.drift_patience == 8
+    assert run(slow, 7) == [] and run(slow, 1) != []
+    assert auto.drift_patience == 2 * MAX_BACKOFF  # the cap
+    assert run(equal, 16) != [] and auto.drift_patience == 2 * MAX_BACKOFF
+    # Quiet steps halve the back-off, down to the plain patience.
+    assert run(equal, 2 * RECOVERY_STEPS) == [] and auto.drift_patience == MAX_BACKOFF
+    assert run(equal, 3 * 2 * RECOVERY_STEPS) == [] and auto.drift_patience == 2

@@ -28,6 +28,18 @@ def test_mapping_specs() -> None:
         demo.plan_counts("9", 8)
 
 
+def test_heterogeneous_bounds() -> None:
+    assert demo.speeds_label() == "2:1"
+    # Even 4+4 VNs: the slow worker takes 8 units; 5+3 or 6+2 take 6.
+    assert demo.best_whole_vn_gain(8, (1.0, 2.0)) == pytest.approx(8 / 6)
+    assert demo.best_whole_vn_gain(4, (1.0, 2.0)) == pytest.approx(4 / 3)
+    assert demo.best_whole_vn_gain(2, (1.0, 2.0)) == 1.0  # one VN each, nothing to move
+    assert demo.best_whole_vn_gain(6, (1.0, 1.5, 3.0)) == pytest.approx(6 / 3)
+    # A perfect split of the compute at 2:1: 1.5x the even plan, whatever V.
+    assert demo.compute_bound_gain(8, (1.0, 2.0)) == pytest.approx(1.5)
+    assert demo.compute_bound_gain(6, (1.0, 1.5, 3.0)) == pytest.approx(2.0)
+
+
 def test_bad_arguments_are_reported_by_name(capsys) -> None:
     for argv, message in (
         (["--epochs", "0"], "--epochs must be >= 1"),
@@ -55,7 +67,17 @@ def test_short_run_gives_identical_vflow_mappings_and_writes_the_plot(tmp_path: 
     runs = {r["name"]: r for r in record["runs"]}
     vflow_runs = [r for r in runs.values() if r["counts"] is not None]
     baselines = [r for r in runs.values() if r["counts"] is None]
-    assert len(vflow_runs) == 3 and all(r["max_param_diff"] == 0.0 for r in vflow_runs)
+    # The 3 mappings, then the 2 heterogeneous runs (2:1, emulated): same bits as well.
+    assert len(vflow_runs) == 5 and all(r["max_param_diff"] == 0.0 for r in vflow_runs)
+    even, auto = (r for r in vflow_runs if r["slowdown"] is not None)
+    assert even["slowdown"] == auto["slowdown"] == [1.0, 2.0]
+    assert (even["auto_plan"], even["plan_changes"]) == (False, [])
+    # plan="auto" moves a VN to the fast worker: step time 3 units against the even
+    # plan's 4 (the slow worker's 2 VNs at 2 units each).
+    assert auto["auto_plan"] and auto["plan_changes"], auto["plan_changes"]
+    assert auto["plan_changes"][-1]["counts"] == [3, 1], auto["plan_changes"]
+    assert "heterogeneous workers, EMULATED" in result.stdout
+    assert len(auto["step_seconds"]) == len(auto["losses"])
     # The baseline's global batch follows the worker count: 1 x 64 and 2 x 64.
     assert sorted(r["global_batch"] for r in baselines) == [64, 128]
     assert any(r["max_param_diff"] > 0 for r in baselines)

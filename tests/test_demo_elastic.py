@@ -218,8 +218,8 @@ def test_short_run_ends_bitwise_equal_to_fixed_hardware(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     result = subprocess.run(
         [sys.executable, "-m", "vflow", "demo", "--epochs", "1", "--mappings", "1",
-         "--no-baseline", "--virtual-nodes", "4", "--batch-size", "96", "--out", str(out),
-         "--timeout", "240"],
+         "--no-baseline", "--no-heterogeneous", "--virtual-nodes", "4", "--batch-size", "96",
+         "--out", str(out), "--timeout", "240"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr

@@ -9,27 +9,67 @@ from vflow.emulation import SlowDown
 
 
 class FakeClock:
-    def __init__(self) -> None:
+    """Time moves only when the test or a sleep moves it; each sleep overshoots by
+    ``overshoot`` seconds, as a real timer does."""
+
+    def __init__(self, overshoot: float = 0.0) -> None:
         self.now = 0.0
+        self.overshoot = overshoot
         self.slept: list[float] = []
 
     def __call__(self) -> float:
-        self.now += 1.0  # every reading is one second after the previous one
         return self.now
 
     def sleep(self, seconds: float) -> None:
         self.slept.append(seconds)
+        self.now += seconds + self.overshoot
+
+
+def _timed_model(clock: FakeClock, forward_s: float, backward_s: float) -> torch.nn.Module:
+    """A Linear layer whose forward and backward move ``clock`` by the given seconds."""
+    model = torch.nn.Linear(3, 1)
+
+    def forward_hook(module: torch.nn.Module, args: object, out: torch.Tensor) -> None:
+        clock.now += forward_s
+        out.register_hook(lambda grad: setattr(clock, "now", clock.now + backward_s))
+
+    model.register_forward_hook(forward_hook)
+    return model
 
 
 def test_waits_factor_minus_one_times_forward_and_backward() -> None:
     clock = FakeClock()
-    model = torch.nn.Linear(3, 1)
+    model = _timed_model(clock, forward_s=1.0, backward_s=0.5)
     slow = SlowDown(lambda m, b: m(b).sum(), 3.0, clock=clock, sleep=clock.sleep)
     loss = slow(model, torch.ones(2, 3))
-    assert clock.slept == [2.0]  # forward read as 1 s: waits 2 s
+    assert clock.slept == [2.0]  # forward took 1 s: waits 2 s
     loss.backward()
-    assert clock.slept == [2.0, 2.0]  # backward read as 1 s, waited at its end
+    assert clock.slept == [2.0, 1.0]  # backward took 0.5 s, waited at its end
     assert model.weight.grad is not None
+    assert clock.now == 3.0 * (1.0 + 0.5)
+
+
+def test_oversleeping_is_taken_off_the_next_waits() -> None:
+    clock = FakeClock(overshoot=0.25)
+    model = _timed_model(clock, forward_s=1.0, backward_s=1.0)
+    slow = SlowDown(lambda m, b: m(b).sum(), 2.0, clock=clock, sleep=clock.sleep)
+    for _ in range(3):
+        slow(model, torch.ones(2, 3)).backward()
+    # Each wait owes 1 s; the 0.25 s slept beyond it is owed less the next time.
+    assert clock.slept == [1.0, 0.75, 0.75, 0.75, 0.75, 0.75]
+    # Three VNs of 2 s at factor 2 take 12 s, plus only the last wait's surplus.
+    assert clock.now == pytest.approx(12.0 + 0.25)
+
+
+def test_a_surplus_larger_than_a_wait_skips_it() -> None:
+    clock = FakeClock(overshoot=3.0)
+    model = _timed_model(clock, forward_s=1.0, backward_s=1.0)
+    slow = SlowDown(lambda m, b: m(b).sum(), 2.0, clock=clock, sleep=clock.sleep)
+    slow(model, torch.ones(2, 3)).backward()  # 1 s asked, 4 s slept: 3 s ahead
+    slow(model, torch.ones(2, 3)).backward()  # 1 s owed twice: both skipped
+    assert clock.slept == [1.0]
+    slow(model, torch.ones(2, 3))
+    assert clock.slept == [1.0, 1.0]  # the surplus is used up: waits again
 
 
 def test_factor_one_never_waits_and_bad_factors_are_named() -> None:

@@ -14,10 +14,21 @@ at the same step, without an agreement round.
 * A proposal is taken only if it predicts a step at least ``min_gain`` (relative)
   faster than the current plan under the same models: small gains are noise, and
   refusing them is the hysteresis that keeps plans from oscillating.
-* Each step, the measured slowest compute is compared with the prediction. After
-  ``patience`` steps in a row off by more than ``threshold`` (relative) — a straggler,
-  a throttled device, a co-located job — the models are fitted again from those
-  steps only (the old speeds no longer hold) and the proposal rule above applies.
+* Each step, every worker's measured compute is compared with the prediction; a
+  departure counts when it exceeds ``threshold`` times the predicted slowest compute
+  (the step), so a worker that speeds up is seen as well as one that slows down, while
+  noise on a worker with little work is not. A worker's compute is measured as its
+  number of VNs times its median VN time, so that one VN that the operating system
+  preempted is not a change of speed. After ``patience`` steps in a row that depart —
+  a straggler, a throttled device that recovers, a co-located job — the models are
+  fitted again from those steps only (the old speeds no longer hold) and the proposal
+  rule above applies.
+* A quick change back to the plan that the previous change left (within ``patience *
+  RECOVERY_STEPS`` steps) is a sign of noise, not of speeds that changed: each such
+  return doubles the patience of the drift rule (up to
+  ``MAX_BACKOFF`` times), and every ``patience * RECOVERY_STEPS`` steps without a change
+  halve it again. So a noisy machine settles on a plan, while a machine that was quiet
+  for a while still reacts to a straggler within ``patience`` steps.
 * Profiles of another plan (the one step in flight when the plan changes) are ignored.
 
 ``Executor.plan_history`` lists the changes with their predicted step times.
@@ -26,15 +37,21 @@ at the same step, without an agreement round.
 from __future__ import annotations
 
 import logging
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vflow import planner
 from vflow.plan import Plan
-from vflow.profile import StepProfile
+from vflow.profile import StepProfile, WorkerProfile
 
 _log = logging.getLogger("vflow")
+
+# Note [Automatic plans]: the largest factor on the drift rule's patience, and the
+# steps (in units of patience) without a change after which the factor halves.
+MAX_BACKOFF = 8
+RECOVERY_STEPS = 25
 
 
 @dataclass(frozen=True)
@@ -105,10 +122,14 @@ class AutoPlan:
         self.min_gain = float(min_gain)
         self.max_vn_size = None if max_vn_size is None else list(max_vn_size)
         self.history: list[PlanChange] = []
-        self._recent: deque[StepProfile] = deque(maxlen=max(warmup, patience))
+        self._recent: deque[StepProfile] = deque(maxlen=max(warmup, patience * MAX_BACKOFF))
         self._planned = False
-        self._predicted_compute: float | None = None
+        # Each worker's compute that the model predicts for the current plan.
+        self._predicted_compute: tuple[float, ...] | None = None
         self._drifting = 0
+        self._backoff = 1
+        self._quiet_steps = 0
+        self._since_change = 0
 
     def __repr__(self) -> str:
         return (
@@ -135,6 +156,15 @@ class AutoPlan:
         self._planned = False
         self._predicted_compute = None
         self._drifting = 0
+        self._backoff = 1
+        self._quiet_steps = 0
+        self._since_change = 0
+
+    @property
+    def drift_patience(self) -> int:
+        """Drifting steps in a row that trigger a re-plan now: ``patience`` times the
+        back-off of Note [Automatic plans]."""
+        return self.patience * self._backoff
 
     def observe(
         self, profile: StepProfile, plan: Plan, batch_size: int, next_step: int
@@ -151,22 +181,25 @@ class AutoPlan:
             return self._decide(
                 list(self._recent)[-self.warmup :], plan, batch_size, next_step, "profiled"
             )
-        measured = max(w.compute_s for w in profile.workers)
+        self._quiet_steps += 1
+        self._since_change += 1
+        if self._backoff > 1 and self._quiet_steps >= self.patience * RECOVERY_STEPS:
+            self._backoff //= 2
+            self._quiet_steps = 0
         predicted = self._predicted_compute
-        if (
-            predicted is not None
-            and predicted > 0
-            and abs(measured - predicted) > self.threshold * predicted
+        slowest = max(predicted) if predicted else 0.0
+        if slowest > 0 and any(
+            abs(_robust_compute(worker) - expected) > self.threshold * slowest
+            for worker, expected in zip(profile.workers, predicted or (), strict=True)
         ):
             self._drifting += 1
         else:
             self._drifting = 0
-        if self._drifting < self.patience:
+        drifted = self._drifting
+        if drifted < self.drift_patience:
             return None
         self._drifting = 0
-        return self._decide(
-            list(self._recent)[-self.patience :], plan, batch_size, next_step, "drift"
-        )
+        return self._decide(list(self._recent)[-drifted:], plan, batch_size, next_step, "drift")
 
     def _decide(
         self, profiles: list[StepProfile], plan: Plan, batch_size: int, next_step: int, reason: str
@@ -178,10 +211,14 @@ class AutoPlan:
         best = solve(models, plan.virtual_nodes, batch_size, comm)
         keep = best.plan == plan or best.step_s > current.step_s * (1 - self.min_gain)
         chosen = current if keep else best
-        self._predicted_compute = chosen.step_s - comm
+        self._predicted_compute = chosen.worker_s
         if keep:
             return None
         self._recent.clear()
+        quick = self._since_change < self.patience * RECOVERY_STEPS
+        if quick and self.history and best.plan == self.history[-1].old:
+            self._backoff = min(2 * self._backoff, MAX_BACKOFF)
+        self._quiet_steps = self._since_change = 0
         change = PlanChange(next_step, plan, best.plan, reason, current.step_s, best.step_s)
         self.history.append(change)
         _log.info(
@@ -195,6 +232,13 @@ class AutoPlan:
             current.step_s / best.step_s if best.step_s > 0 else float("inf"),
         )
         return best.plan
+
+
+def _robust_compute(worker: WorkerProfile) -> float:
+    """The worker's compute as its VN count times its median VN time."""
+    if not worker.vns:
+        return 0.0
+    return len(worker.vns) * statistics.median(vn.forward_s + vn.backward_s for vn in worker.vns)
 
 
 def _ran(profile: StepProfile, plan: Plan, batch_size: int) -> bool:

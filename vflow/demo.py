@@ -12,11 +12,17 @@ with two panels — the loss curves, and the largest parameter difference to the
 run at every step, which stays exactly 0 for the vflow mappings and grows for the
 baseline — and a JSON of every number.
 
+Unless --no-heterogeneous, two more vflow runs on 2 workers of which the second is
+emulated at half speed (vflow.emulation.SlowDown): the even plan and plan="auto", which
+profiles the workers and moves VNs to the faster one. A second table gives their step
+throughput side by side; their parameters too must equal the first run's bitwise.
+
 Then, unless --no-elastic, the elastic scenario of vflow/demo_elastic.py: the same
 training by vflow.elastic.ElasticJob while one worker grows to three, one of them is
 killed with SIGKILL mid-step and another joins, checked bitwise against the
 fixed-hardware run. The exit status is 1 if the vflow mappings do not end with
-bitwise-identical parameters, or the elastic job not with the fixed-hardware run's.
+bitwise-identical parameters (the heterogeneous runs included), or the elastic job not
+with the fixed-hardware run's.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -38,14 +45,17 @@ import torch.nn.functional as F
 from torch import nn
 
 import vflow
-from vflow import launch
+from vflow import launch, planner
+from vflow.emulation import SlowDown
 from vflow.table import format_table
 
 DESCRIPTION = (
     "Train a small CNN on scikit-learn's digits with the same global batch B and V "
     "virtual nodes on 1, 2 and 4 Gloo worker processes and an uneven plan "
     "(deterministic mode: the runs end bitwise identical), beside data parallelism "
-    "without virtual nodes, whose global batch grows with the worker count. Then an "
+    "without virtual nodes, whose global batch grows with the worker count, and on 2 "
+    "workers of which one is emulated at half speed, with the even plan and with "
+    'plan="auto" (same bits, higher throughput). Then an '
     "elastic job (vflow.elastic) with the same settings: one worker grows to three, one "
     "is killed with SIGKILL mid-step, another joins, and the job ends bitwise equal to "
     "the fixed-hardware run. Prints tables and writes loss_curves.png, results.json, "
@@ -58,6 +68,8 @@ _COLLECTIVE_TIMEOUT_S = 120.0
 # The elastic scenario's worker count and least number of steps (vflow/demo_elastic.py).
 ELASTIC_WORKERS = 3
 MIN_ELASTIC_STEPS = 12
+# The heterogeneous runs: worker w's compute is SLOWDOWN[w] times slower (emulated).
+SLOWDOWN = (1.0, 2.0)
 
 
 def load_digits_split(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,7 +123,10 @@ class Run:
     name: str
     workers: int
     global_batch: int
-    counts: tuple[int, ...] | None  # vflow plan; None for the baseline
+    counts: tuple[int, ...] | None  # vflow plan (the first one under plan="auto"); None
+    # for the baseline
+    slowdown: tuple[float, ...] | None = None  # per worker, emulated (SlowDown)
+    auto_plan: bool = False
 
 
 @dataclass
@@ -128,6 +143,12 @@ class Outcome:
     param_diff_per_step: list[float | None] = field(default_factory=list)
     # Every parameter, flattened, after every step (steps x parameters).
     trajectory: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)), repr=False)
+    step_seconds: list[float] = field(default_factory=list)  # rank 0's, per step
+    # plan="auto": per change, the first step under the new plan, its counts, why, and
+    # the predicted step time of the old plan over the new one.
+    plan_changes: list[dict[str, Any]] = field(default_factory=list)
+    # Per worker, the median seconds of one VN's forward and backward (vflow runs).
+    vn_seconds: list[float] = field(default_factory=list)
 
     def data_points(self) -> list[tuple[int, int]]:
         """(epoch, samples of the epoch's order used so far) after each step: the same
@@ -200,13 +221,16 @@ def _train(
     outcome.steps_per_epoch = steps_per_epoch
     start = time.perf_counter()
     if run.counts is not None:
+        loss_fn = cross_entropy
+        if run.slowdown is not None:
+            loss_fn = SlowDown(cross_entropy, run.slowdown[rank])
         ex = vflow.Executor(
             model,
             optimizer,
-            cross_entropy,
+            loss_fn,
             args["virtual_nodes"],
             seed=args["seed"],
-            plan=vflow.Plan(counts=list(run.counts)),
+            plan="auto" if run.auto_plan else vflow.Plan(counts=list(run.counts)),
             process_group=group,
             deterministic=True,
         )
@@ -218,12 +242,14 @@ def _train(
         collectives = vflow.distributed.World(group, timedelta(seconds=_COLLECTIVE_TIMEOUT_S))
     per_device = run.global_batch // run.workers
     trajectory: list[np.ndarray] = []
+    vn_times: list[list[float]] = [[] for _ in range(run.workers)]
     for epoch in range(args["epochs"]):
         # The data order depends on (seed, epoch) alone: every run sees the same samples
         # in the same order, in batches of its own global size.
         order = epoch_order(len(y_train), args["seed"], epoch)
         for step in range(steps_per_epoch):
             idx = order[step * run.global_batch : (step + 1) * run.global_batch]
+            step_start = time.perf_counter()
             if ex is not None:
                 loss = ex.step((x_train[idx], y_train[idx])).loss
             else:
@@ -235,6 +261,11 @@ def _train(
                 loss = local.detach()
                 collectives.sum([loss], "all-reduce of the baseline's loss", step)
                 loss = (loss / run.workers).item()
+            outcome.step_seconds.append(time.perf_counter() - step_start)
+            profile = ex.last_profile if ex is not None else None
+            if profile is not None and progress is not None:
+                for w, worker in enumerate(profile.workers):
+                    vn_times[w] += [vn.forward_s + vn.backward_s for vn in worker.vns]
             outcome.losses.append(loss)
             if progress is not None:
                 trajectory.append(
@@ -243,6 +274,12 @@ def _train(
                 progress.add(_PROGRESS_KEY, 1)
     outcome.seconds = time.perf_counter() - start
     if ex is not None:
+        outcome.vn_seconds = [float(np.median(t)) if t else math.nan for t in vn_times]
+        outcome.plan_changes = [
+            {"step": c.step, "counts": list(c.new.counts), "reason": c.reason,
+             "predicted_gain": c.predicted_old_s / c.predicted_new_s}
+            for c in ex.plan_history
+        ]  # fmt: skip
         ex.close()
     outcome.test_accuracy = accuracy(model, x_test, y_test)
     # numpy, not torch: the result is pickled, and numpy arrays pickle as plain data.
@@ -367,6 +404,86 @@ def compare_with_first(outcomes: list[Outcome]) -> None:
             )
 
 
+def speeds_label() -> str:
+    """SLOWDOWN as relative speeds, e.g. "2:1"."""
+    slowest = max(SLOWDOWN)
+    return ":".join(f"{slowest / f:g}" for f in SLOWDOWN)
+
+
+def steady_step_seconds(outcome: Outcome) -> float:
+    """The median step time over the last half of the steps, when plan="auto" has long
+    planned (it plans after a few steps)."""
+    times = outcome.step_seconds[len(outcome.step_seconds) // 2 :]
+    return float(np.median(times)) if times else math.nan
+
+
+def _unit_models(slowdown: Sequence[float]) -> list[planner.WorkerModel]:
+    """Worker w takes ``slowdown[w]`` units per VN, whatever its size."""
+    return [planner.WorkerModel(per_vn_s=f, per_sample_s=0.0) for f in slowdown]
+
+
+def _even_step_units(virtual_nodes: int, slowdown: Sequence[float]) -> float:
+    even = vflow.Plan.even(virtual_nodes, len(slowdown))
+    return planner.predict(even, _unit_models(slowdown), virtual_nodes).step_s
+
+
+def best_whole_vn_gain(virtual_nodes: int, slowdown: Sequence[float]) -> float:
+    """Step time of the even plan over that of the best counts plan (vflow.planner) when
+    compute alone counts and worker w takes ``slowdown[w]`` units per VN: what moving
+    whole, equal VNs can gain at these speeds."""
+    best = planner.plan_counts(_unit_models(slowdown), virtual_nodes, virtual_nodes)
+    return _even_step_units(virtual_nodes, slowdown) / best.step_s
+
+
+def compute_bound_gain(virtual_nodes: int, slowdown: Sequence[float]) -> float:
+    """The same for a perfect split of the compute (the sum of the workers' speeds)."""
+    return _even_step_units(virtual_nodes, slowdown) * sum(1 / f for f in slowdown) / virtual_nodes
+
+
+def _plan_path(outcome: Outcome) -> str:
+    path = str(list(outcome.run.counts or ()))
+    for change in outcome.plan_changes:
+        path += f" -({change['step']})-> {change['counts']}"
+    return path
+
+
+def heterogeneous_table(outcomes: list[Outcome], virtual_nodes: int) -> str:
+    """The heterogeneous runs side by side: plans, steady throughput, gain over even,
+    and the bounds at the speeds set and at the speeds measured in the even run."""
+    even = next(o for o in outcomes if not o.run.auto_plan)
+    headers = ["run", "ms per VN by worker", "steady step ms", "samples/s", "vs even plan",
+               "max |param diff| vs first", "plans"]  # fmt: skip
+    rows = []
+    for o in outcomes:
+        step_s = steady_step_seconds(o)
+        rows.append([
+            o.run.name, " / ".join(f"{1e3 * t:.2f}" for t in o.vn_seconds),
+            f"{1e3 * step_s:.1f}", f"{o.run.global_batch / step_s:.0f}",
+            f"{steady_step_seconds(even) / step_s:.2f}x",
+            f"{o.max_param_diff:.2e}" if o.max_param_diff else "0", _plan_path(o),
+        ])  # fmt: skip
+    lines = [
+        "heterogeneous workers, EMULATED (vflow.emulation.SlowDown: worker w waits to run "
+        f"{list(SLOWDOWN)} times slower); steady = median over the last half of the steps",
+        format_table(headers, rows),
+        f"bounds over the even plan, compute only (communication and the optimizer do not "
+        f"shrink): speeds {speeds_label()} as set: "
+        f"{compute_bound_gain(virtual_nodes, SLOWDOWN):.2f}x, "
+        f"{best_whole_vn_gain(virtual_nodes, SLOWDOWN):.2f}x with V={virtual_nodes} whole VNs",
+    ]
+    measured = even.vn_seconds
+    if measured and all(t > 0 for t in measured):
+        fastest = min(measured)
+        ratio = [t / fastest for t in measured]
+        label = ":".join(f"{max(ratio) / r:.2f}" for r in ratio)
+        lines[-1] += (
+            f"; speeds {label} as measured in the even run: "
+            f"{compute_bound_gain(virtual_nodes, ratio):.2f}x, "
+            f"{best_whole_vn_gain(virtual_nodes, ratio):.2f}x with whole VNs"
+        )
+    return "\n".join(lines)
+
+
 def plot(outcomes: list[Outcome], path: Path, title: str) -> None:
     import matplotlib
 
@@ -462,6 +579,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"{MIN_ELASTIC_STEPS} steps; it needs V >= {ELASTIC_WORKERS})",
     )
     parser.add_argument(
+        "--no-heterogeneous",
+        action="store_true",
+        help="skip the 2 runs on workers of speeds 2:1 (emulated), even plan and "
+        'plan="auto" (they need V >= 2)',
+    )
+    parser.add_argument(
         "--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default: 0.05)"
     )
     parser.add_argument(
@@ -523,6 +646,13 @@ def main(argv: list[str] | None = None) -> int:
     baseline_batch = args.baseline_batch or max(1, args.batch_size // max(even_workers or [1]))
 
     runs = [Run(f"vflow, {describe(c)}", len(c), args.batch_size, c) for c in mappings]
+    if not args.no_heterogeneous and args.virtual_nodes >= len(SLOWDOWN):
+        even = vflow.Plan.even(args.virtual_nodes, len(SLOWDOWN)).counts
+        runs += [
+            Run(f"vflow, {len(SLOWDOWN)} workers at speeds {speeds_label()} (emulated), {kind}",
+                len(SLOWDOWN), args.batch_size, even, SLOWDOWN, kind == 'plan="auto"')
+            for kind in ("even plan", 'plan="auto"')
+        ]  # fmt: skip
     if not args.no_baseline:
         runs += [
             Run(f"baseline, {w} worker{'s' if w > 1 else ''} x {baseline_batch}", w,
@@ -581,6 +711,10 @@ def main(argv: list[str] | None = None) -> int:
         else "vflow: the mappings DIFFER (expected bitwise-identical results)"
     )
     print(verdict)
+    heterogeneous = [o for o in outcomes if o.run.slowdown is not None]
+    if heterogeneous:
+        print()
+        print(heterogeneous_table(heterogeneous, args.virtual_nodes))
     baselines = [o for o in outcomes if o.run.counts is None]
     if baselines:
         worst = max(o.max_param_diff or 0.0 for o in baselines)
@@ -610,6 +744,8 @@ def main(argv: list[str] | None = None) -> int:
                 "wall_seconds": o.wall_seconds,
                 "max_param_diff": o.max_param_diff,
                 "param_diff_per_step": o.param_diff_per_step,
+                "step_seconds": o.step_seconds,
+                "plan_changes": o.plan_changes,
             }
             for o in outcomes
         ],

@@ -6,6 +6,10 @@ and after its backward ``factor - 1`` times what the backward took (a callback q
 the autograd engine runs when that backward ends). So the emulated device is slower in
 proportion to the real work, whatever the VN size, as a slower GPU would be.
 
+A sleep lasts longer than asked (the timer's slack and the wake-up, ~0.1 ms here), which
+on VNs of a millisecond would make the device markedly slower than ``factor``; the
+surplus is measured and taken off the next wait, so the waits add up to what was asked.
+
 What it does not show: a slower device's communication (the reduction of the last
 VN's buckets starts as early as on a fast one, since the hooks that launch it run
 before the wait), memory limits, or contention between the real and the emulated
@@ -41,6 +45,8 @@ class SlowDown:
         self.factor = factor
         self._clock = clock
         self._sleep = sleep
+        # Seconds waited beyond what was asked so far (> 0: the next waits are shorter).
+        self._surplus = 0.0
 
     @property
     def factor(self) -> float:
@@ -69,5 +75,12 @@ class SlowDown:
         return grad
 
     def _wait(self, seconds: float) -> None:
-        if self._factor > 1 and seconds > 0:
-            self._sleep((self._factor - 1) * seconds)
+        if self._factor <= 1 or seconds <= 0:
+            return
+        owed = (self._factor - 1) * seconds - self._surplus
+        if owed <= 0:
+            self._surplus = -owed
+            return
+        start = self._clock()
+        self._sleep(owed)
+        self._surplus = max(0.0, self._clock() - start - owed)

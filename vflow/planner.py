@@ -10,11 +10,12 @@ about the same under every plan (the bytes reduced do not depend on the plan), s
 predicted step time is ``max_w compute_w(plan) + comm``, and minimising it means
 minimising the largest compute time.
 
-``a_w`` and ``b_w`` are fitted by least squares to the (size, forward + backward
-seconds) of the VNs that worker ran in the profiled steps (Note [Profiles],
-vflow/profile.py). Profiles only show the sizes a worker ran: under a counts plan every
-VN has nearly the same size, so the fit degenerates to a cost per VN at that size,
-which is all a counts plan needs. A worker that ran no VN yet has no model, and the
+``a_w`` and ``b_w`` are fitted by least squares to the median forward + backward
+seconds at each VN size that worker ran in the profiled steps (Note [Profiles],
+vflow/profile.py); medians, because a VN that the operating system preempted says
+nothing about the worker's speed. Profiles only show the sizes a worker ran: under a
+counts plan every VN has nearly the same size, so the fit degenerates to a cost per VN
+at that size, which is all a counts plan needs. A worker that ran no VN yet has no model, and the
 planner refuses to plan.
 
 Two kinds of plan:
@@ -42,6 +43,7 @@ an agreement round.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -75,16 +77,22 @@ class Prediction:
 
 
 def fit(samples: Sequence[tuple[int, float]], max_vn_size: int | None = None) -> WorkerModel:
-    """Least-squares ``a + b n`` through (VN size n, seconds) pairs, both kept >= 0.
-    With one size only, the fit is the mean cost per sample at that size (a = 0)."""
+    """Least-squares ``a + b n`` through the median seconds at each VN size n (weighted
+    by how many VNs had that size), both kept >= 0. Medians, because one VN that the
+    operating system preempted must not move a worker's speed. With one size only, the
+    fit is the median cost per sample at that size (a = 0)."""
     if not samples:
         raise ValueError("fit needs at least one (size, seconds) pair")
-    count = len(samples)
-    mean_n = sum(n for n, _ in samples) / count
-    mean_t = sum(t for _, t in samples) / count
-    var_n = sum((n - mean_n) ** 2 for n, _ in samples)
+    by_size: dict[int, list[float]] = {}
+    for n, t in samples:
+        by_size.setdefault(n, []).append(t)
+    points = [(n, statistics.median(ts), len(ts)) for n, ts in sorted(by_size.items())]
+    count = sum(k for _, _, k in points)
+    mean_n = sum(n * k for n, _, k in points) / count
+    mean_t = sum(t * k for _, t, k in points) / count
+    var_n = sum(k * (n - mean_n) ** 2 for n, _, k in points)
     if var_n > 0:
-        slope = sum((n - mean_n) * (t - mean_t) for n, t in samples) / var_n
+        slope = sum(k * (n - mean_n) * (t - mean_t) for n, t, k in points) / var_n
         intercept = mean_t - slope * mean_n
         if slope > 0 and intercept >= 0:
             return WorkerModel(intercept, slope, max_vn_size)
