@@ -4,36 +4,22 @@ recomputed steps, its table and headline records (on hand-written logs), and one
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any, cast
 
 import pytest
+from benchmark_scripts import load_script
 
 from vflow.bench.records import evaluate
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = REPO_ROOT / "benchmarks"
 
 
-def _load() -> ModuleType:
-    # The script imports _common by name, as it does when run as a file.
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("bench_elastic", BENCHMARKS / "elastic.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-elastic = _load()
+elastic = load_script("elastic")
 
 
 def _worker(tmp_path: Path, name: str, started: float, lines: list[dict[str, Any]]) -> Any:

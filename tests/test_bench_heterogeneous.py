@@ -4,35 +4,15 @@ script itself runs in make bench's quick suite)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from benchmark_scripts import load_script
 
 from vflow.bench.records import evaluate
 from vflow.profile import StepProfile, VNProfile, WorkerProfile
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load() -> ModuleType:
-    # The script imports _common by name, as it does when run as a file.
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(
-        "bench_heterogeneous", BENCHMARKS / "heterogeneous.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-heterogeneous = _load()
+heterogeneous = load_script("heterogeneous")
 # Timed steps around a median of 1 (11 of them; a full run has 12).
 FACTORS = (0.9, 0.92, 0.94, 0.96, 0.98, 1.0, 1.02, 1.04, 1.06, 1.08, 1.1)
 
