@@ -25,7 +25,7 @@ import torch.utils.benchmark as tbench
 import vflow
 from vflow import _C, ops
 from vflow.bench import cli as bench_cli
-from vflow.table import format_table as format_table  # the scripts' tables: one formatter
+from vflow.bench.table import format_table as format_table  # the scripts' tables: one formatter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

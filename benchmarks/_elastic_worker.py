@@ -54,7 +54,7 @@ from torch import nn
 
 import vflow
 from vflow import elastic
-from vflow.distributed import use_loopback_for_gloo
+from vflow.world.group import use_loopback_for_gloo
 
 CLASSES = 10
 SEED = 0

@@ -11,7 +11,7 @@ it, one after another.
   starts each bucket's async float32 SUM all-reduce as soon as the bucket is complete.
 * vflow deterministic (ordered): the same executor (same V, plan, buckets, seed) with
   ``deterministic=True``, i.e. ``"ordered"``: gradients are added in float32 in one
-  binary tree over the V VN indices that depends on V alone (vflow/tree.py, Note
+  binary tree over the V VN indices that depends on V alone (vflow/runtime/tree.py, Note
   [Ordered sum] in csrc/reduction/ordered.cpp), so training is bitwise identical for any mapping of
   the VNs onto workers and any backend. No all-reduce carries gradients (its summation
   order is the backend's). A rank ends its VNs holding its partial sums (its cover of
@@ -86,7 +86,7 @@ Bytes communicated per step and rank: vflow and exact: ``Reducer.bytes_per_step`
 buckets in their wire format handed to all-reduce: 4 bytes per float32 element; exact:
 1 + 8 = 9 bytes per element); ordered: its ``Reducer.bytes_per_step``, the bytes it sends
 point to point (phase 1 + phase 2); each plus the step statistics all-reduce
-(6V + 2 + 6W float64 values, ``vflow.step_stats``). DDP: 4 bytes per gradient element
+(6V + 2 + 6W float64 values, ``vflow.runtime.step_stats``). DDP: 4 bytes per gradient element
 handed to all-reduce. A ring all-reduce moves about 2(W-1)/W times its payload over
 each rank's link (1x for W = 2), so with 2 ranks and the default plan vflow, ordered and
 DDP move the same bytes.
@@ -142,9 +142,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 import vflow
 import vflow.bench.records as bench_records
-from vflow import launch, tree
-from vflow.distributed import World
-from vflow.step_stats import StatsLayout
+from vflow.runtime import tree
+from vflow.runtime.step_stats import StatsLayout
+from vflow.world import launch
+from vflow.world.group import World
 
 WORLD_SIZE = 2
 CLASSES = 10

@@ -1,10 +1,10 @@
 """Heterogeneous workers: the even plan against plan="auto" and against the limit, on
-Gloo ranks of which some are emulated slower (vflow.emulation.SlowDown).
+Gloo ranks of which some are emulated slower (vflow.planning.emulation.SlowDown).
 
     python benchmarks/heterogeneous.py [--quick] [--json PATH]
 
 Scenarios (all EMULATED heterogeneity on identical cores; what emulation does and does
-not show: vflow/emulation.py):
+not show: vflow/planning/emulation.py):
 
 * 2 workers at speeds 2:1 and 3 workers at 3:2:1: step throughput (samples/s) of the
   even plan, of the automatic plan once it has planned, and the limit: a perfect split
@@ -35,8 +35,8 @@ from _common import environment, finish_run, format_table, median, print_header,
 
 import vflow
 from vflow.bench import records as bench_records
-from vflow.emulation import SlowDown
-from vflow.launch import run_ranks
+from vflow.planning.emulation import SlowDown
+from vflow.world.launch import run_ranks
 
 TARGET_GAIN_2_1 = 1.4
 TARGET_OF_LIMIT = 0.95
@@ -329,7 +329,7 @@ def print_results(results: dict[str, Any]) -> None:
         "fast workers idle half of the step: on these shared cores a worker runs faster "
         "when the others idle, so that limit is out of reach of any plan.\n"
         "All heterogeneity here is EMULATED: SlowDown waits in proportion to the real "
-        "compute (vflow/emulation.py)."
+        "compute (vflow/planning/emulation.py)."
     )
 
 

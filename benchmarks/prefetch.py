@@ -1,4 +1,4 @@
-"""How much of a data path's cost VN prefetching hides (vflow/prefetch.py).
+"""How much of a data path's cost VN prefetching hides (vflow/data/prefetch.py).
 
 Each VN's batch goes through a ``vn_transform`` of known cost L per VN, and the model's
 forward+backward of a VN takes C. Three executors train the same model on the same

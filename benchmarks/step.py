@@ -46,8 +46,8 @@ from torch import nn
 
 import vflow
 import vflow.bench.records as bench_records
-from vflow.batching import slice_batch, split_sizes
-from vflow.profile import StepClock
+from vflow.mapping.batching import slice_batch, split_sizes
+from vflow.runtime.clock import StepClock
 
 TARGET_RATIO = 1.05  # vflow step time / hand loop step time, printed (not asserted)
 

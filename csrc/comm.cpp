@@ -5,6 +5,8 @@
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cctype>
 #include <sstream>
 #include <utility>
 #include <vector>
@@ -58,18 +60,39 @@ c10::intrusive_ptr<c10d::Work> Comm::point_to_point(bool send, at::Tensor tensor
 
 void Comm::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) const {
   RECORD_FUNCTION("vflow::wait", std::vector<c10::IValue>());
+  const auto start = std::chrono::steady_clock::now();
   try {
     work->wait(timeout_);
   } catch (const std::exception& e) {
-    fail(what, error_text(e));
+    const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
+    fail(what, error_text(e), waited.count());
   }
 }
 
-void Comm::fail(const std::string& what, const std::string& cause) const {
+// Note [Saying what failed]
+// A peer that died closes its connections: the wait fails at once, long before the
+// timeout. Only a wait that reached the timeout, or whose backend says it timed out,
+// is reported as a timeout; any other failure says how long it waited, so that a
+// crash never reads as a hang.
+void Comm::fail(const std::string& what, const std::string& cause, double waited_s) const {
+  const double timeout_s = static_cast<double>(timeout_.count()) / 1000.0;
+  std::string lower = cause;
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  const bool timed_out = waited_s >= timeout_s || lower.find("timed out") != std::string::npos ||
+                         lower.find("timeout") != std::string::npos;
   std::ostringstream out;
-  out << "vflow step " << step_ << ": " << what << " on " << description_
-      << " failed or timed out (timeout " << static_cast<double>(timeout_.count()) / 1000.0
-      << " s): " << cause;
+  out << "vflow step " << step_ << ": " << what << " on " << description_;
+  if (timed_out) {
+    out << " timed out (timeout " << timeout_s << " s): ";
+  } else if (waited_s > 0.0) {
+    out.setf(std::ios::fixed);
+    out.precision(1);
+    out << " failed after " << waited_s << " s: ";
+  } else {
+    out << " failed: ";
+  }
+  out << cause;
   last_failure_ = out.str();
   throw CollectiveError(last_failure_);
 }

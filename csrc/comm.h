@@ -56,7 +56,10 @@ class Comm {
                                       const std::string& what);
   // Waits at most the timeout; a failure throws CollectiveError.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) const;
-  [[noreturn]] void fail(const std::string& what, const std::string& cause) const;
+  // Throws CollectiveError naming the step, `what` and the group; `waited_s` is how
+  // long the failed wait lasted (Note [Saying what failed] in comm.cpp).
+  [[noreturn]] void fail(const std::string& what, const std::string& cause,
+                         double waited_s = 0.0) const;
   // The message of the latest failure since `clear_failure`, empty if none. A failure
   // inside an autograd hook reaches Python as a plain RuntimeError (autograd does not
   // know CollectiveError), so the caller asks here whether it was the group's.

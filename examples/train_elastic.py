@@ -54,8 +54,8 @@ import torch
 
 import vflow
 from vflow.demo import accuracy, cross_entropy, load_digits_split, make_model
-from vflow.distributed import use_loopback_for_gloo
 from vflow.elastic import ElasticJob
+from vflow.world.group import use_loopback_for_gloo
 
 _log = logging.getLogger("train_elastic")
 

@@ -1,30 +1,11 @@
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
+from tests.support.cuda_marks import CUDA_MISSING
 from vflow import ops
-
-
-def _cuda_missing() -> str | None:
-    """Why CUDA tests cannot run here, or None when they can."""
-    if not torch.cuda.is_available():
-        return "needs a CUDA device"
-    if not ops.built_with_cuda():
-        return "built without CUDA kernels"
-    return None
-
-
-CUDA_MISSING = _cuda_missing()
-CUDA = CUDA_MISSING is None
-
-requires_cuda = pytest.mark.skipif(not CUDA, reason=CUDA_MISSING or "")
-
-
-def devices() -> list[object]:
-    """Devices a device-parametrised test runs on: the CPU and CUDA, whose cases are
-    always generated (ids "cpu", "cuda") and skipped where CUDA cannot run."""
-    return ["cpu", pytest.param("cuda", marks=requires_cuda)]
 
 
 @pytest.fixture
@@ -40,3 +21,41 @@ def restore_cpu_vector_path() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def _fixed_seed():
     torch.manual_seed(1234)
+
+
+# One test's budget on the 2-core CI machine: the summary names any test that ran longer,
+# so that the suite stays within `make test`'s ten minutes as it grows.
+TEST_BUDGET_S = 30.0
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """CUDA skips in one line (they are expected without a GPU), every other skip
+    reason with its count, and the tests over TEST_BUDGET_S."""
+    by_reason: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = _skip_reason(report)
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+    cuda = by_reason.pop(CUDA_MISSING, 0) if CUDA_MISSING else 0
+    if cuda:
+        terminalreporter.write_line(
+            f"{cuda} CUDA tests skipped: {CUDA_MISSING} (benchmarks/gpu_check.sh runs them "
+            "on a GPU machine)"
+        )
+    for reason, count in sorted(by_reason.items()):
+        terminalreporter.write_line(f"{count} skipped: {reason}")
+    slow = [
+        report
+        for report in terminalreporter.stats.get("passed", [])
+        + terminalreporter.stats.get("failed", [])
+        if report.when == "call" and report.duration > TEST_BUDGET_S
+    ]
+    for report in sorted(slow, key=lambda r: -r.duration):
+        terminalreporter.write_line(
+            f"over the {TEST_BUDGET_S:g} s budget: {report.nodeid} ({report.duration:.1f} s)"
+        )

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import requires_cuda
+from tests.support.cuda_marks import requires_cuda
 from vflow import ops
 
 SIZES = [0, 1, 97, 1025, 1_000_003]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tests.conftest import devices
+from tests.support.cuda_marks import devices
 from vflow import _C, ops
 
 Args = tuple[object, ...]

@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
 
         return bench.main(rest)
     if command == "rendezvous":
-        from vflow import rendezvous
+        from vflow.elastic import rendezvous
 
         return rendezvous.main(rest)
     from vflow import demo

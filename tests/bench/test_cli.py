@@ -16,11 +16,10 @@ from typing import Any
 
 import pytest
 
+from tests.support import REPO_ROOT
 from vflow.__main__ import main as cli_main
 from vflow.bench import cli, kernels
 from vflow.bench.records import headline, measurement, target
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_cli_lists_bench(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,10 +1,10 @@
-"""vflow/table.py: one formatter for every table vflow prints."""
+"""vflow/bench/table.py: one formatter for every table vflow prints."""
 
 from __future__ import annotations
 
 import pytest
 
-from vflow.table import format_table, is_number
+from vflow.bench.table import format_table, is_number
 
 
 @pytest.mark.parametrize(

@@ -12,12 +12,10 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from benchmark_scripts import load_script
 
+from tests.support import REPO_ROOT
+from tests.support.benchmark_scripts import load_script
 from vflow.bench.records import evaluate
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
 
 elastic = load_script("elastic")
 

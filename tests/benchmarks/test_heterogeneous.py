@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from benchmark_scripts import load_script
 
+from tests.support.benchmark_scripts import load_script
 from vflow.bench.records import evaluate
-from vflow.profile import StepProfile, VNProfile, WorkerProfile
+from vflow.planning.profile import StepProfile, VNProfile, WorkerProfile
 
 heterogeneous = load_script("heterogeneous")
 # Timed steps around a median of 1 (11 of them; a full run has 12).

@@ -20,10 +20,9 @@ from typing import Any
 
 import pytest
 
+from tests.support import REPO_ROOT
 from vflow.bench.records import headline, measurement, target
 from vflow.bench.summary import SUMMARY_FORMAT
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_runner() -> ModuleType:

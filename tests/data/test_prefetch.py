@@ -1,4 +1,4 @@
-"""Prefetching VN batches (vflow/prefetch.py, Note [Prefetch]) through the Executor.
+"""Prefetching VN batches (vflow/data/prefetch.py, Note [Prefetch]) through the Executor.
 
 No test here measures time: that prefetching overlaps is shown by a transform that
 waits for the VN before it to be in loss_fn (it would time out without overlap), and
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import vflow
-from tests import models
-from tests.conftest import requires_cuda
+from tests.support import models
+from tests.support.cuda_marks import requires_cuda
 
 V = 4
 B = 32

@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from vflow.data import VNBatchSampler
-from vflow.plan import Plan
+from vflow.mapping.plan import Plan
 
 
 def samplers(n, b, plan, **kw):
@@ -215,7 +215,7 @@ def test_properties():
             ValueError,
             "batch_size=3 is smaller than the plan's virtual_nodes=4",
         ),
-        ((10, 4, [2, 2], 0), {}, TypeError, "plan must be a vflow.plan.Plan, got list"),
+        ((10, 4, [2, 2], 0), {}, TypeError, "plan must be a vflow.Plan, got list"),
         ((10, 4, Plan(counts=[2]), 0.0), {}, TypeError, "rank must be an int, got float"),
         (
             (10, 4, Plan(counts=[1, 1]), 2),
@@ -276,7 +276,7 @@ def test_set_plan_errors_leave_the_sampler_unchanged():
         ((Plan(counts=[1, 1]), "0"), TypeError, "rank must be an int, got str"),
         ((Plan(counts=[5, 4]),), ValueError, "batch_size=8 is smaller than the plan's"),
         ((Plan(sizes=[[4], [3]]),), ValueError, "a sizes plan fixes the global batch size"),
-        (("counts=[2, 2]",), TypeError, "plan must be a vflow.plan.Plan, got str"),
+        (("counts=[2, 2]",), TypeError, "plan must be a vflow.Plan, got str"),
     ]
     for args, error, match in bad:
         with pytest.raises(error, match=match):

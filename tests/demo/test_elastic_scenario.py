@@ -1,6 +1,5 @@
-"""The main job's elastic scenario (vflow/demo_elastic.py): its pieces, how the demo
-wires it in (``--no-elastic``, the exit status), and one short run end to end with the
-real store and worker processes."""
+"""The main job's elastic scenario (vflow/demo/elastic_scenario.py): its pieces, and one
+short run end to end with the real store and worker processes."""
 
 from __future__ import annotations
 
@@ -11,11 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
-from vflow import demo, demo_elastic
+from vflow.demo import elastic_scenario
 
 # (reason, workers after, what happened) of the table rows of a run that went to plan.
 PLANNED_ROWS = [
@@ -32,8 +30,8 @@ def _event(step: int, rnd: int, workers: int, reason: str) -> dict[str, Any]:
     return {"step": step, "round": rnd, "workers": workers, "reason": reason, "seconds": 0.5}
 
 
-def _planned_outcome() -> demo_elastic.Outcome:
-    outcome = demo_elastic.Outcome(epochs=1, steps=12)
+def _planned_outcome() -> elastic_scenario.Outcome:
+    outcome = elastic_scenario.Outcome(epochs=1, steps=12)
     finish = _event(12, 4, 3, "finish")
     outcome.events = {
         "a": [_event(0, 0, 1, "start"), _event(2, 1, 2, "grow"), _event(4, 2, 3, "grow"),
@@ -49,11 +47,11 @@ def _planned_outcome() -> demo_elastic.Outcome:
 
 
 def test_the_scenario_has_whole_epochs_and_enough_steps() -> None:
-    assert demo_elastic.scenario_steps(22, 1) == (1, 22)
-    assert demo_elastic.scenario_steps(22, 3) == (3, 66)
+    assert elastic_scenario.scenario_steps(22, 1) == (1, 22)
+    assert elastic_scenario.scenario_steps(22, 3) == (3, 66)
     # Fewer steps than the changes need: whole epochs until there are enough.
-    assert demo_elastic.scenario_steps(11, 1) == (2, 22)
-    assert demo_elastic.scenario_steps(5, 1) == (3, 15)
+    assert elastic_scenario.scenario_steps(11, 1) == (2, 22)
+    assert elastic_scenario.scenario_steps(5, 1) == (3, 15)
 
 
 def test_table_rows_name_the_workers_behind_each_change() -> None:
@@ -91,11 +89,11 @@ def test_two_worker_sets_that_both_finish_are_reported() -> None:
 def test_compare_is_bitwise() -> None:
     want = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.5])}
     same = {name: value.clone() for name, value in want.items()}
-    assert demo_elastic.compare({"a": same, "c": same}, want) == (True, 0.0)
+    assert elastic_scenario.compare({"a": same, "c": same}, want) == (True, 0.0)
     off = {"w": torch.tensor([1.0, 2.0 + 2**-22]), "b": torch.tensor([0.5])}
-    identical, worst = demo_elastic.compare({"a": same, "c": off}, want)
+    identical, worst = elastic_scenario.compare({"a": same, "c": off}, want)
     assert not identical and worst == 2**-22
-    assert demo_elastic.compare({"a": {"w": want["w"]}}, want) == (False, float("inf"))
+    assert elastic_scenario.compare({"a": {"w": want["w"]}}, want) == (False, float("inf"))
 
 
 def test_verdict_lines() -> None:
@@ -114,12 +112,12 @@ def test_verdict_lines() -> None:
 
 def test_worker_logs_are_read_while_being_written(tmp_path: Path) -> None:
     path = tmp_path / "a.jsonl"
-    assert demo_elastic.WorkerLog.read(path) == demo_elastic.WorkerLog()
+    assert elastic_scenario.WorkerLog.read(path) == elastic_scenario.WorkerLog()
     path.write_text(
         '{"hold": 0, "workers": 1}\n{"step": 0, "loss": 2.3, "workers": 1, "rank": 0}\n'
         '{"step": 1, "lo'
     )
-    log = demo_elastic.WorkerLog.read(path)
+    log = elastic_scenario.WorkerLog.read(path)
     assert [line["step"] for line in log.steps] == [0]
     assert log.holds_with(1) == 1 and log.holds_with(2) == 0 and log.end is None
 
@@ -131,16 +129,16 @@ class _Executor:
 
 
 def test_the_kill_is_armed_in_the_chosen_step_with_all_workers() -> None:
-    kill = demo_elastic.Kill(step=1)
+    kill = elastic_scenario.Kill(step=1)
     armed = []
     for world_size in (1, 2, 3, 3, 3, 2):
         kill.begin_step(_Executor(world_size, [3] * world_size, 0))
         armed.append(kill.armed)
     assert armed == [False, False, False, True, False, False]
-    assert not any(_armed_steps(demo_elastic.Kill(step=None)))
+    assert not any(_armed_steps(elastic_scenario.Kill(step=None)))
 
 
-def _armed_steps(kill: demo_elastic.Kill) -> list[bool]:
+def _armed_steps(kill: elastic_scenario.Kill) -> list[bool]:
     armed = []
     for world_size in (1, 3, 3, 3):
         kill.begin_step(_Executor(world_size, [1] * world_size, 0))
@@ -152,8 +150,10 @@ def test_the_kill_hook_sits_on_the_middle_vn_of_the_armed_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     fired = []
-    monkeypatch.setattr(demo_elastic.Kill, "_fire", staticmethod(lambda g: fired.append(1) or g))
-    kill = demo_elastic.Kill(step=0)
+    monkeypatch.setattr(
+        elastic_scenario.Kill, "_fire", staticmethod(lambda g: fired.append(1) or g)
+    )
+    kill = elastic_scenario.Kill(step=0)
     kill.begin_step(_Executor(3, [3, 3, 2], 1))
     layer = torch.nn.ReLU()
     layer.register_forward_hook(kill.forward_hook)
@@ -163,50 +163,13 @@ def test_the_kill_hook_sits_on_the_middle_vn_of_the_armed_step(
         assert fired == ([] if vn == 0 else [1])
 
 
-def _fake_outcome(name: str, workers: int) -> demo.Outcome:
-    run = demo.Run(name, workers, 64, (8 // workers,) * workers)
-    outcome = demo.Outcome(run, losses=[2.0, 1.0], steps_per_epoch=2)
-    outcome.trajectory = np.zeros((2, 3), dtype=np.float32)
-    outcome.test_accuracy, outcome.seconds, outcome.wall_seconds = 0.5, 1.0, 2.0
-    return outcome
-
-
-@pytest.mark.parametrize(("elastic_ok", "status"), [(True, 0), (False, 1), (None, 0)])
-def test_the_demo_runs_the_scenario_last_and_fails_with_it(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, elastic_ok: bool | None, status: int
-) -> None:
-    calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(demo, "run_one", lambda run, *_: _fake_outcome(run.name, run.workers))
-
-    def fake_run(settings: dict[str, Any], data: Any, out: Path) -> bool:
-        assert (out / "results.json").exists()  # the other runs are written first
-        calls.append(settings)
-        return bool(elastic_ok)
-
-    monkeypatch.setattr(demo_elastic, "run", fake_run)
-    argv = ["--epochs", "1", "--mappings", "1", "2", "--no-baseline", "--out", str(tmp_path)]
-    assert demo.main(argv + (["--no-elastic"] if elastic_ok is None else [])) == status
-    if elastic_ok is None:
-        assert calls == []
-    else:
-        assert calls == [
-            {"epochs": 1, "virtual_nodes": 8, "lr": 0.05, "seed": 0, "timeout": 600.0,
-             "batch_size": 64}
-        ]  # fmt: skip
-
-
-def test_the_scenario_needs_three_virtual_nodes(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as info:
-        demo.main(["--virtual-nodes", "2", "--batch-size", "8"])
-    assert info.value.code == 2
-    assert "needs --virtual-nodes >= 3 (or --no-elastic)" in capsys.readouterr().err
-
-
 def test_a_worker_that_fails_to_start_is_a_scenario_error(tmp_path: Path) -> None:
-    procs = demo_elastic._Processes(tmp_path, deadline=float("inf"))
+    procs = elastic_scenario._Processes(tmp_path, deadline=float("inf"))
     try:
         procs.start_worker("x", [])  # lacks every required option: exits 2
-        with pytest.raises(demo_elastic.ScenarioError, match="the process ended .exit status 2"):
+        with pytest.raises(
+            elastic_scenario.ScenarioError, match="the process ended .exit status 2"
+        ):
             procs.wait_ready("x")
     finally:
         procs.close()

@@ -1,9 +1,8 @@
-"""The main job, ``python -m vflow demo`` (vflow/demo.py): its argument handling and a
-short end-to-end run with real Gloo workers."""
+"""The main job's runs (vflow/demo/mappings.py): mapping specs, parameter differences
+at the same point of the data, and a short run end to end with real Gloo workers."""
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
@@ -12,45 +11,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vflow import demo
+from vflow.demo import mappings
 
 
 def test_mapping_specs() -> None:
-    assert demo.plan_counts("1", 8) == (8,)
-    assert demo.plan_counts("4", 8) == (2, 2, 2, 2)
-    assert demo.plan_counts("3", 8) == (3, 3, 2)
-    assert demo.plan_counts("5,2,1", 8) == (5, 2, 1)
-    assert demo.default_mappings(8) == ["1", "2", "4", "5,2,1"]
-    assert demo.default_mappings(2) == ["1", "2"]
+    assert mappings.plan_counts("1", 8) == (8,)
+    assert mappings.plan_counts("4", 8) == (2, 2, 2, 2)
+    assert mappings.plan_counts("3", 8) == (3, 3, 2)
+    assert mappings.plan_counts("5,2,1", 8) == (5, 2, 1)
+    assert mappings.default_mappings(8) == ["1", "2", "4", "5,2,1"]
+    assert mappings.default_mappings(2) == ["1", "2"]
     with pytest.raises(ValueError, match="add up to V=8"):
-        demo.plan_counts("5,2", 8)
+        mappings.plan_counts("5,2", 8)
     with pytest.raises(ValueError, match=r"must be in \[1, V=8\]"):
-        demo.plan_counts("9", 8)
-
-
-def test_heterogeneous_bounds() -> None:
-    assert demo.speeds_label() == "2:1"
-    # Even 4+4 VNs: the slow worker takes 8 units; 5+3 or 6+2 take 6.
-    assert demo.best_whole_vn_gain(8, (1.0, 2.0)) == pytest.approx(8 / 6)
-    assert demo.best_whole_vn_gain(4, (1.0, 2.0)) == pytest.approx(4 / 3)
-    assert demo.best_whole_vn_gain(2, (1.0, 2.0)) == 1.0  # one VN each, nothing to move
-    assert demo.best_whole_vn_gain(6, (1.0, 1.5, 3.0)) == pytest.approx(6 / 3)
-    # A perfect split of the compute at 2:1: 1.5x the even plan, whatever V.
-    assert demo.compute_bound_gain(8, (1.0, 2.0)) == pytest.approx(1.5)
-    assert demo.compute_bound_gain(6, (1.0, 1.5, 3.0)) == pytest.approx(2.0)
-
-
-def test_bad_arguments_are_reported_by_name(capsys) -> None:
-    for argv, message in (
-        (["--epochs", "0"], "--epochs must be >= 1"),
-        (["--batch-size", "4", "--virtual-nodes", "8"], "--batch-size (4) must be >= --virtual"),
-        (["--mappings", "3,3"], "--mappings: mapping '3,3'"),
-        (["--lr", "0"], "--lr must be > 0"),
-    ):
-        with pytest.raises(SystemExit) as info:
-            demo.main(argv)
-        assert info.value.code == 2
-        assert message in capsys.readouterr().err
+        mappings.plan_counts("9", 8)
 
 
 def test_short_run_gives_identical_vflow_mappings_and_writes_the_plot(tmp_path: Path) -> None:
@@ -96,64 +70,9 @@ def test_short_run_gives_identical_vflow_mappings_and_writes_the_plot(tmp_path: 
     assert not (out / "elastic.json").exists()  # --no-elastic (tests/test_demo_elastic.py)
 
 
-def test_help_describes_every_option_once(capsys) -> None:
-    with pytest.raises(SystemExit) as info:
-        demo.main(["--help"])
-    assert info.value.code == 0
-    out = capsys.readouterr().out
-    description = " ".join(out.split("options:")[0].split("\n\n", 1)[1].split())
-    assert description == " ".join(demo.DESCRIPTION.split())
-    assert description.endswith(".")
-    for action in demo.build_parser()._actions:
-        assert action.help, f"{action.option_strings} has no help"
-        # A default is stated once, by the help text itself.
-        assert action.help.count("default") <= 1, action.option_strings
-
-
-class _Stream(io.StringIO):
-    def __init__(self, tty: bool) -> None:
-        super().__init__()
-        self.tty = tty
-
-    def isatty(self) -> bool:
-        return self.tty
-
-
-def test_progress_bar_in_a_log_prints_one_line_per_update() -> None:
-    stream = _Stream(tty=False)
-    bar = demo.ProgressBar(10, stream)
-    bar.start_run("run a")
-    bar.update(3)
-    bar.update(6)
-    bar.end_run()
-    bar.start_run("run b")
-    bar.update(4)
-    bar.end_run()
-    bar.finish()
-    lines = stream.getvalue().splitlines()
-    assert len(lines) == 4
-    assert lines[0].startswith("[0/10 steps, ") and lines[0].endswith("] run a ...")
-    assert lines[1].startswith("[6/10 steps, ") and "run a: 6 steps in " in lines[1]
-    assert lines[3].startswith("[10/10 steps, ") and "run b: 4 steps in " in lines[3]
-
-
-def test_progress_bar_on_a_terminal_redraws_one_line() -> None:
-    stream = _Stream(tty=True)
-    bar = demo.ProgressBar(10, stream)
-    bar.start_run("run a")
-    bar.update(5)
-    bar.end_run()
-    bar.finish()
-    text = stream.getvalue()
-    assert text.count("\n") == 1 and text.endswith("\n")
-    last = text.rstrip("\n").split("\r")[-1]
-    assert last.startswith("[###############...............]  50% 5/10 steps")
-    assert "run a" in last and "s left" in last
-
-
 def _outcome(name: str, global_batch: int, steps_per_epoch: int, values: list[float]):
-    run = demo.Run(name, 1, global_batch, (1,))
-    outcome = demo.Outcome(run, losses=[0.0] * len(values), steps_per_epoch=steps_per_epoch)
+    run = mappings.Run(name, 1, global_batch, (1,))
+    outcome = mappings.Outcome(run, losses=[0.0] * len(values), steps_per_epoch=steps_per_epoch)
     outcome.trajectory = np.array([[v, -v] for v in values], dtype=np.float32)
     return outcome
 
@@ -165,7 +84,7 @@ def test_parameter_differences_are_taken_at_the_same_point_of_the_data() -> None
     same = _outcome("same", 4, 2, [1.0, 2.0, 3.0, 4.0])
     half = _outcome("half", 2, 4, [0.0, 1.5, 0.0, 2.0, 0.0, 3.0, 0.0, 4.5])
     odd = _outcome("odd", 3, 2, [5.0, 5.0, 5.0, 5.0])
-    demo.compare_with_first([first, same, half, odd])
+    mappings.compare_with_first([first, same, half, odd])
     assert same.param_diff_per_step == [0.0] * 4 and same.max_param_diff == 0.0
     assert half.param_diff_per_step == [None, 0.5, None, 0.0, None, 0.0, None, 0.5]
     assert half.max_param_diff == 0.5

@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 import torch
 
-from tests import elastic_worker
+from tests.support import elastic_worker
 from vflow.data import VNBatchSampler
 from vflow.elastic import ElasticJob
-from vflow.plan import Plan
+from vflow.mapping.plan import Plan
 
-WORKER = Path(__file__).with_name("elastic_worker.py")
+WORKER = Path(elastic_worker.__file__)
 STEPS = 80
 # Seconds per step until a worker has seen the test's full worker set: time for the
 # others to start and join (about 20 s), then full speed.

@@ -1,4 +1,4 @@
-"""vflow.rendezvous: the store process (``python -m vflow rendezvous``), endpoints and
+"""vflow.elastic.rendezvous: the store process (``python -m vflow rendezvous``), endpoints and
 the groups of a round. The rounds themselves run in tests/test_elastic.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from vflow.rendezvous import Round, parse_endpoint, round_group, serve
+from vflow.elastic.rendezvous import Round, parse_endpoint, round_group, serve
 
 
 def test_the_store_process_prints_its_address_and_ends_on_sigterm() -> None:

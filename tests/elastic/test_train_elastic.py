@@ -20,11 +20,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.support import REPO_ROOT
+
 pytest.importorskip("sklearn", reason="the example trains on scikit-learn's digits")
 if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("needs torch.distributed with Gloo", allow_module_level=True)
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_elastic.py"
+SCRIPT = REPO_ROOT / "examples" / "train_elastic.py"
 REQUIRED = ("--rdzv", "--job", "--steps", "--virtual-nodes", "--seed", "--deterministic", "--out")
 STEPS = 200
 # A sleeps this long before each step until it has seen the scenario's three changes

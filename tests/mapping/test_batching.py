@@ -1,11 +1,11 @@
-"""vflow.batching: the split of a global batch into VNs."""
+"""vflow.mapping.batching: the split of a global batch into VNs."""
 
 from collections import namedtuple
 
 import pytest
 import torch
 
-from vflow.batching import batch_size, concat_outputs, slice_batch, split_sizes
+from vflow.mapping.batching import batch_size, concat_outputs, slice_batch, split_sizes
 
 
 @pytest.mark.parametrize(

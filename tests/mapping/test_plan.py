@@ -2,7 +2,7 @@
 
 import pytest
 
-from vflow.plan import Plan, VNSlice
+from vflow.mapping.plan import Plan, VNSlice
 
 
 def test_even_spreads_vns_as_evenly_as_possible():

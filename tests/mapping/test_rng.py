@@ -1,5 +1,5 @@
-"""Per-VN random streams (Note [VN randomness], vflow/rng.py), checked against
-expectations derived here rather than with vflow.rng itself.
+"""Per-VN random streams (Note [VN randomness], vflow/mapping/rng.py), checked against
+expectations derived here rather than with vflow.mapping.rng itself.
 
 The contract: VN i at step s draws from generators seeded with splitmix64 folded over
 (seed, s, i, stream), so its dropout masks differ from every other VN's and every other
@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import vflow
-from tests.distributed import run_ranks
-from tests.seeds import expected_seed, splitmix64
-from vflow import rng
+from tests.support.seeds import expected_seed, splitmix64
+from vflow.mapping import rng
+from vflow.world.launch import run_ranks
 
 
 def test_splitmix64_known_answer() -> None:

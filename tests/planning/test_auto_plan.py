@@ -1,14 +1,14 @@
-"""vflow.auto_plan.AutoPlan: when it plans, re-plans and keeps a plan, from synthetic
+"""vflow.planning.auto_plan.AutoPlan: when it plans, re-plans and keeps a plan, from synthetic
 profiles (the multi-rank runs are in tests/test_heterogeneous.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from vflow.auto_plan import AutoPlan
-from vflow.batching import split_sizes
-from vflow.plan import Plan
-from vflow.profile import StepProfile, VNProfile, WorkerProfile
+from vflow.mapping.batching import split_sizes
+from vflow.mapping.plan import Plan
+from vflow.planning.auto_plan import AutoPlan
+from vflow.planning.profile import StepProfile, VNProfile, WorkerProfile
 
 V, B = 12, 120
 
@@ -99,7 +99,7 @@ def test_sizes_plans_balance_when_v_equals_w() -> None:
 
 
 def test_returning_to_the_plan_just_left_backs_off_and_quiet_steps_recover() -> None:
-    from vflow.auto_plan import MAX_BACKOFF, RECOVERY_STEPS
+    from vflow.planning.auto_plan import MAX_BACKOFF, RECOVERY_STEPS
 
     auto = AutoPlan(warmup=1, patience=2)
     plan = Plan.even(V, 2)

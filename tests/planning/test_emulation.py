@@ -1,11 +1,11 @@
-"""vflow.emulation.SlowDown: waits in proportion to the real forward and backward times."""
+"""vflow.planning.emulation.SlowDown: waits in proportion to the real forward and backward times."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vflow.emulation import SlowDown
+from vflow.planning.emulation import SlowDown
 
 
 class FakeClock:

@@ -1,4 +1,4 @@
-"""plan="auto" on two Gloo ranks, one of them emulated slower (vflow.emulation): the
+"""plan="auto" on two Gloo ranks, one of them emulated slower (vflow.planning.emulation): the
 executor finds the plan the speeds imply, re-plans when a worker slows down, and in
 deterministic mode trains bitwise as one process does, through every plan change."""
 
@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 import vflow
-from tests.distributed import run_ranks
-from vflow.emulation import SlowDown
+from vflow.planning.emulation import SlowDown
+from vflow.world.launch import run_ranks
 
 V, B, STEPS, SLOW_FROM = 12, 192, 14, 7
 

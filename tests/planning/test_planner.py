@@ -1,4 +1,4 @@
-"""vflow.planner: optimal plans against brute force on random models, memory caps, edge
+"""vflow.planning.planner: optimal plans against brute force on random models, memory caps, edge
 cases, and fits of a + b n from profiles."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from vflow.batching import split_sizes
-from vflow.plan import Plan
-from vflow.planner import (
+from vflow.mapping.batching import split_sizes
+from vflow.mapping.plan import Plan
+from vflow.planning.planner import (
     WorkerModel,
     fit,
     models_from_profiles,
@@ -18,7 +18,7 @@ from vflow.planner import (
     plan_sizes,
     predict,
 )
-from vflow.profile import StepProfile, VNProfile, WorkerProfile
+from vflow.planning.profile import StepProfile, VNProfile, WorkerProfile
 
 
 def _compositions(total: int, parts: int):

@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import Any
 
 import pytest
@@ -20,10 +20,9 @@ import torch
 import torch.distributed as dist
 
 import vflow
-from tests import models
-from tests.distributed import run_ranks
+from tests.support import REPO_ROOT, models
+from vflow.world.launch import run_ranks
 
-REPO = Path(__file__).resolve().parents[1]
 V = 8
 
 
@@ -387,7 +386,7 @@ _CRASH_SCRIPT = textwrap.dedent(
     import os, shutil, sys
     import torch
     import vflow
-    from tests import models
+    from tests.support import models
 
     torch.set_num_threads(1)
     path = sys.argv[1]
@@ -416,7 +415,7 @@ def test_a_crash_mid_write_keeps_the_previous_checkpoint(tmp_path):
     path = tmp_path / "ckpt.pt"
     proc = subprocess.run(
         [sys.executable, "-c", _CRASH_SCRIPT, str(path)],
-        cwd=REPO,  # so that `tests` and `vflow` import
+        cwd=REPO_ROOT,  # so that `tests` and `vflow` import
         capture_output=True,
         text=True,
         timeout=120,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import vflow
-from vflow.config import ExecutorConfig
+from vflow.runtime.config import ExecutorConfig
 
 
 def _arguments(**overrides: object) -> dict[str, object]:

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import vflow
-from tests import models
-from tests.distributed import run_ranks
-from tests.models import max_relative_error
-from vflow.batching import slice_batch, split_sizes
+from tests.support import models
+from tests.support.models import max_relative_error
+from vflow.mapping.batching import slice_batch, split_sizes
+from vflow.world.launch import run_ranks
 
 STEPS = 3
 TOLERANCE = 1e-5

@@ -15,8 +15,8 @@ import random
 import pytest
 import torch
 
-from tests.conftest import devices, requires_cuda
-from tests.reducers import make_reducer
+from tests.support.cuda_marks import devices, requires_cuda
+from tests.support.reducers import make_reducer
 from vflow import ops
 
 SIZES = [0, 1, 97, 1025]

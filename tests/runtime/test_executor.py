@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import vflow
-from tests import models
-from tests.conftest import requires_cuda
-from tests.models import max_relative_error
-from tests.seeds import expected_seed
+from tests.support import models
+from tests.support.cuda_marks import requires_cuda
+from tests.support.models import max_relative_error
+from tests.support.seeds import expected_seed
 
 
 def _run_step(model, loss_fn, batch, v, **kwargs):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import vflow
-from tests import models
+from tests.support import models
 
 
 class Net(nn.Module):

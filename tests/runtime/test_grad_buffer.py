@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.conftest import devices
+from tests.support.cuda_marks import devices
 from vflow import _C
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import REPO_ROOT
+
 # Runs one step in a fresh process and reports how far the step raised the process's
 # peak resident set above what it held before the step (model, data, buffers).
 _SCRIPT = textwrap.dedent(
@@ -48,7 +50,7 @@ def _step_peak_mb(v: int) -> float:
         text=True,
         timeout=300,
         check=True,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=REPO_ROOT,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])["step_peak_mb"]
 

@@ -1,4 +1,4 @@
-"""Per-step profiles (Note [Profiles], vflow/profile.py) and vflow's ranges in a
+"""Per-step profiles (Note [Profiles], vflow/planning/profile.py) and vflow's ranges in a
 torch.profiler trace."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 import vflow
-from tests import models
-from tests.distributed import run_ranks
+from tests.support import models
+from vflow.world.launch import run_ranks
 
 V = 4
 

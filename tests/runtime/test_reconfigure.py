@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 import vflow
-from tests import models
-from tests.distributed import run_ranks
+from tests.support import models
+from vflow.world.launch import run_ranks
 
 V = 6
 B = 24

@@ -4,9 +4,9 @@ Its collectives are tested with real process groups in tests/test_distributed.py
 import pytest
 import torch
 
-from tests.reducers import make_reducer
+from tests.support.reducers import make_reducer
 from vflow import _C
-from vflow.grad_store import assign_buckets
+from vflow.runtime.grad_store import assign_buckets
 
 MB = 1024 * 1024
 

@@ -1,4 +1,4 @@
-"""The step statistics' wire layout (vflow/step_stats.py): what a worker encodes, summed
+"""The step statistics' wire layout (vflow/runtime/step_stats.py): what a worker encodes, summed
 over workers, decodes to totals added in VN order and to every worker's profile."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vflow.profile import VNProfile, WorkerProfile
-from vflow.step_stats import StatsLayout, local_totals
+from vflow.planning.profile import VNProfile, WorkerProfile
+from vflow.runtime.step_stats import StatsLayout, local_totals
 
 V, W = 5, 2
 

@@ -1,4 +1,4 @@
-"""vflow.tree: the fixed summation tree of deterministic mode, and the ordered Reducer
+"""vflow.runtime.tree: the fixed summation tree of deterministic mode, and the ordered Reducer
 that follows it (Note [Ordered sum] in csrc/reduction/ordered.cpp) on one process.
 
 The reference is the tree sum written recursively in float32: node [lo, hi) is
@@ -14,9 +14,10 @@ import itertools
 import pytest
 import torch
 
-from tests.conftest import devices
-from tests.reducers import make_reducer
-from vflow import _C, tree
+from tests.support.cuda_marks import devices
+from tests.support.reducers import make_reducer
+from vflow import _C
+from vflow.runtime import tree
 
 
 def tree_sum(leaves: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def load_script(name: str) -> ModuleType:

@@ -37,8 +37,9 @@ from typing import Any
 import torch
 
 import vflow
-from vflow import elastic, membership
-from vflow.distributed import use_loopback_for_gloo
+from vflow import elastic
+from vflow.world import membership
+from vflow.world.group import use_loopback_for_gloo
 
 V, B, SAMPLES, FEATURES, CLASSES = 6, 24, 24 * 8, 8, 3
 SEED = 5

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vflow.batching import split_sizes
+from vflow.mapping.batching import split_sizes
 
 
 def mlp(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:

@@ -1,5 +1,5 @@
 """Builds a bare vflow._C.Reducer for tests that drive it by hand, the way
-vflow.grad_store builds one for an Executor (buffers, the bucket cut, a strategy)."""
+vflow.runtime.grad_store builds one for an Executor (buffers, the bucket cut, a strategy)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from vflow import _C
-from vflow.grad_store import assign_buckets
+from vflow.runtime.grad_store import assign_buckets
 
 STRATEGIES = {"all-reduce": _C.AllReduceSum, "ordered": _C.OrderedSum, "exact": _C.ExactSum}
 
@@ -24,7 +24,7 @@ def make_reducer(
     timeout_seconds: float = 600.0,
 ) -> _C.Reducer:
     """One GradBuffer per group (shapes taken from the tensors), cut into buckets by
-    ``vflow.grad_store.assign_buckets``, reduced with the ``kind`` strategy."""
+    ``vflow.runtime.grad_store.assign_buckets``, reduced with the ``kind`` strategy."""
     buffers = [_C.GradBuffer(list(g), d) for g, d in zip(groups, dtypes, strict=True)]
     return _C.Reducer(
         buffers,

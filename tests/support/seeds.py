@@ -1,5 +1,5 @@
 """VN seeds derived from their documented definition (Note [VN randomness] in
-vflow/rng.py), independently of vflow.rng, so tests can check vflow against them."""
+vflow/mapping/rng.py), independently of vflow.mapping.rng, so tests can check vflow against them."""
 
 from __future__ import annotations
 

@@ -5,16 +5,19 @@ exist: no backend thread is left holding a tensor that Python can see (Note
 
 from __future__ import annotations
 
+import os
+import re
+import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_ranks
-from tests.reducers import make_reducer
+from tests.support.reducers import make_reducer
 from vflow._extension import _C
-from vflow.distributed import CollectiveError, World
+from vflow.world.group import CollectiveError, World
+from vflow.world.launch import run_ranks
 
 _SIZES = (0, 1, 97, 1025)
 _TIMEOUT_S = 30.0
@@ -117,19 +120,30 @@ def test_bad_input_raises_naming_the_argument_and_changes_nothing() -> None:
     assert "outputs[0] must match input" in errors[7]
 
 
-def _rank_1_leaves(rank: int, world_size: int) -> str:
+def _rank_1_is_missing(rank: int, world_size: int, how: str) -> str:
     collectives = World(dist.group.WORLD, timedelta(seconds=3))
     if rank == 1:
-        return "left"
+        if how == "dies":
+            os._exit(0)  # its connections close at once, as when a process is killed
+        time.sleep(6)  # hangs past the timeout
+        return "hung"
     with pytest.raises(CollectiveError) as info:
         collectives.gather_rows(torch.ones(2, 3), [2, 2], step=7)
     return str(info.value)
 
 
-def test_a_missing_rank_gives_a_collective_error_naming_the_step_and_the_collective() -> None:
-    message = run_ranks(2, _rank_1_leaves)[0].value
+@pytest.mark.parametrize("how", ["dies", "hangs"])
+def test_a_missing_rank_gives_a_collective_error_naming_the_step_and_the_collective(
+    how: str,
+) -> None:
+    results = run_ranks(2, _rank_1_is_missing, how, expect_failure=how == "dies")
+    message = results[0].value
     assert message.startswith("vflow step 7: all-gather of inference outputs on ")
-    assert "(timeout 3 s)" in message
+    if how == "hangs":
+        assert "timed out (timeout 3 s): " in message
+    else:  # a timeout that did not expire is not named
+        assert re.search(r" failed after [0-2]\.\d s: ", message), message
+        assert "timeout" not in message.split(": ", 2)[1]
 
 
 def _use_counts(rank: int, world_size: int) -> dict[str, list[int]]:

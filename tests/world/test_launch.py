@@ -1,4 +1,4 @@
-"""vflow.launch.run_ranks (tests use it as tests.distributed.run_ranks): results, errors,
+"""vflow.world.launch.run_ranks (tests use it as tests.distributed.run_ranks): results, errors,
 dead ranks and hung ranks are all reported; threads, fail_fast, poll and the store."""
 
 import os
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from vflow.launch import RankError, current_store, run_ranks
+from vflow.world.launch import RankError, current_store, run_ranks
 
 
 def _all_reduce_rank(rank: int, world_size: int, scale: float) -> torch.Tensor:

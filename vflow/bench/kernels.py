@@ -37,7 +37,7 @@ from vflow import ops
 from vflow._extension import _C
 from vflow._version import __version__
 from vflow.bench.records import copy_limit_note, headline, measurement, target
-from vflow.table import format_table
+from vflow.bench.table import format_table
 
 __all__ = ["Settings", "environment", "gradient_sizes", "run"]
 

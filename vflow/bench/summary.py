@@ -21,7 +21,7 @@ from typing import Any
 
 from vflow._version import __version__
 from vflow.bench.records import Row, SummaryError, evaluate, is_headline
-from vflow.table import format_table
+from vflow.bench.table import format_table
 
 __all__ = [
     "SUMMARY_FORMAT",

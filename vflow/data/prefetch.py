@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vflow.batching import Batch, _leaves, map_batch
+from vflow.mapping.batching import Batch, _leaves, map_batch
 
 # (vn batch, CPU generator for the VN) -> transformed vn batch
 VNTransform = Callable[[Batch, torch.Generator], Batch]

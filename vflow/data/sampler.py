@@ -1,13 +1,13 @@
 """``VNBatchSampler``: each worker loads only the samples of its own virtual nodes.
 
-A plan (``vflow.plan.Plan``) gives every worker a contiguous run of VNs, hence one
+A plan (``vflow.Plan``) gives every worker a contiguous run of VNs, hence one
 contiguous range of each global batch. This sampler yields, for every global batch,
 exactly that range of sample indices, so no worker reads, decodes or transfers samples
 another worker will process, and the ranges of all workers put together are the global
 batch, in order.
 
 The global order of an epoch depends only on ``(seed, epoch)`` — a permutation drawn
-from a generator seeded with ``vflow.rng.vn_seed`` — never on the number of workers or
+from a generator seeded with ``vflow.mapping.rng.vn_seed`` — never on the number of workers or
 on the rank. Because a counts plan splits a batch by ``split_sizes(B, V)`` alone, the
 same sample lands in the same VN under every counts plan with the same V: resizing a
 job (``set_plan``) changes which worker computes a VN, not what the VN contains.
@@ -40,9 +40,9 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
-from vflow._checks import require_int
-from vflow.plan import Plan
-from vflow.rng import vn_seed
+from vflow.mapping._checks import require_int
+from vflow.mapping.plan import Plan
+from vflow.mapping.rng import vn_seed
 
 # The stream argument of vn_seed: keeps the data order independent of the dropout
 # streams (0, 1) even when the Executor and the sampler share a seed. ASCII "data".
@@ -57,7 +57,7 @@ def _check_bool(name: str, value: object) -> bool:
 
 def _check_plan(plan: object, rank: object, batch_size: int) -> tuple[Plan, int]:
     if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a vflow.plan.Plan, got {type(plan).__name__}")
+        raise TypeError(f"plan must be a vflow.Plan, got {type(plan).__name__}")
     rank = require_int("rank", rank)
     if not 0 <= rank < plan.num_workers:
         raise ValueError(

@@ -2,7 +2,7 @@
 
 A ``VNBatchSource`` knows nothing of the executor: it is given the step's batch and
 this worker's VN slices and returns one job per VN, which the Prefetcher runs one VN
-ahead on its thread (Note [Prefetch], vflow/prefetch.py).
+ahead on its thread (Note [Prefetch], vflow/data/prefetch.py).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 import torch
 
-from vflow import rng
-from vflow.batching import Batch, batch_size, map_batch, slice_batch
-from vflow.plan import VNSlice
-from vflow.prefetch import VNTransform
+from vflow.data.prefetch import VNTransform
+from vflow.mapping import rng
+from vflow.mapping.batching import Batch, batch_size, map_batch, slice_batch
+from vflow.mapping.plan import VNSlice
 
 
 class VNBatchSource:

@@ -9,7 +9,7 @@ one process on fixed hardware (same V, seed and data order): deterministic mode 
 them bitwise equal.
 
 The demo starts the store (``python -m vflow rendezvous``) and the four workers
-(``python -m vflow.demo_elastic --worker ...``) at once; a worker prints ``ready`` once
+(``python -m vflow.demo.elastic_scenario --worker ...``) at once; a worker prints ``ready`` once
 it has imported everything and waits for ``go`` on its stdin, so that process start-up
 (seconds on a busy machine) is not part of the scenario's timeline. The demo says
 ``go`` to a worker when the workers' logs show that the previous change is done.
@@ -48,14 +48,17 @@ import torch.distributed as dist
 from torch import nn
 
 import vflow
-from vflow import demo, elastic
-from vflow.distributed import use_loopback_for_gloo
-from vflow.results import StepResult
-from vflow.table import format_table
+from vflow.bench.table import format_table
+from vflow.demo import plots
+from vflow.demo.digits import cross_entropy, epoch_order, make_model
+from vflow.demo.progress import ProgressBar
+from vflow.elastic import ElasticJob
+from vflow.runtime.results import StepResult
+from vflow.world.group import use_loopback_for_gloo
 
 __all__ = ["Outcome", "ScenarioError", "run", "scenario_steps", "worker_main"]
 
-WORKERS = demo.ELASTIC_WORKERS  # the worker count the scenario grows to
+WORKERS = 3  # the worker count the scenario grows to
 FIRST, VICTIM, SECOND_JOINER, LATE_JOINER = "a", "b", "c", "d"
 NAMES = (FIRST, VICTIM, SECOND_JOINER, LATE_JOINER)
 # The victim dies in its second step with all three workers: the first one shows that
@@ -66,7 +69,7 @@ PLANNED_EVENTS = [("start", 1), ("grow", 2), ("grow", WORKERS), ("crash", WORKER
                   ("grow", WORKERS), ("finish", WORKERS)]  # fmt: skip
 # The changes take 8 steps (two per join, the kill's step and its repetition); a few
 # more show the final worker set train.
-MIN_STEPS = demo.MIN_ELASTIC_STEPS
+MIN_STEPS = 12
 HOLD_S = 30.0  # the longest hold before a step (see the module docstring)
 # The activation the kill hook sits on: the output of the second convolution's ReLU.
 _HOOKED_LAYER = 3
@@ -102,12 +105,12 @@ def build_executor(
 ) -> vflow.Executor:
     """The demo's model and optimizer in deterministic mode: the same initial state in
     every worker and in the reference."""
-    model = demo.make_model(settings["seed"])
+    model = make_model(settings["seed"])
     optimizer = torch.optim.SGD(model.parameters(), lr=settings["lr"], momentum=0.9)
     return vflow.Executor(
         model,
         optimizer,
-        demo.cross_entropy,
+        cross_entropy,
         settings["virtual_nodes"],
         seed=settings["seed"],
         process_group=group,
@@ -120,11 +123,11 @@ def run_step(
     ex: vflow.Executor, step: int, x: torch.Tensor, y: torch.Tensor, settings: dict[str, Any]
 ) -> StepResult:
     """Global batch ``step``: the step count alone fixes the data position (epoch
-    ``step // steps per epoch`` in demo.epoch_order), so a batch is the same whichever
+    ``step // steps per epoch`` in vflow.demo.digits.epoch_order), so a batch is the same whichever
     workers compute it. This worker passes only its VNs' samples."""
     batch_size = settings["batch_size"]
     epoch, index = divmod(step, len(y) // batch_size)
-    batch = demo.epoch_order(len(y), settings["seed"], epoch)[
+    batch = epoch_order(len(y), settings["seed"], epoch)[
         index * batch_size : (index + 1) * batch_size
     ]
     lo, hi = ex.plan.worker_range(ex.rank, batch_size)
@@ -176,7 +179,7 @@ class Kill:
 
 def _worker_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m vflow.demo_elastic",
+        prog="python -m vflow.demo.elastic_scenario",
         description="One worker of the demo's elastic scenario, started by python -m vflow "
         "demo: prints 'ready', waits for 'go' on stdin, then trains with vflow.elastic.",
     )
@@ -220,7 +223,7 @@ def worker_main(argv: list[str]) -> int:
     def make_executor(group: dist.ProcessGroup, timeout: float) -> vflow.Executor:
         ex = build_executor(settings, group, timeout)
         if args.kill_step is not None:
-            assert isinstance(ex.model, nn.Sequential)  # demo.make_model's
+            assert isinstance(ex.model, nn.Sequential)  # make_model's
             ex.model[_HOOKED_LAYER].register_forward_hook(kill.forward_hook)
         return ex
 
@@ -238,7 +241,7 @@ def worker_main(argv: list[str]) -> int:
             log.write(json.dumps(line) + "\n")
             return result
 
-        job = elastic.ElasticJob(
+        job = ElasticJob(
             args.rdzv,
             args.job,
             timeout_s=_COLLECTIVE_TIMEOUT_S,
@@ -375,7 +378,15 @@ class _Processes:
     def start_worker(self, name: str, argv: list[str]) -> None:
         with (self.folder / f"{name}.err").open("w") as err:
             self.workers[name] = subprocess.Popen(
-                [sys.executable, "-m", "vflow.demo_elastic", "--worker", "--name", name, *argv],
+                [
+                    sys.executable,
+                    "-m",
+                    "vflow.demo.elastic_scenario",
+                    "--worker",
+                    "--name",
+                    name,
+                    *argv,
+                ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,
@@ -478,9 +489,7 @@ class WorkerLog:
         return sum(hold["workers"] == workers for hold in self.holds)
 
 
-def _play(
-    procs: _Processes, outcome: Outcome, settings: dict[str, Any], bar: demo.ProgressBar
-) -> None:
+def _play(procs: _Processes, outcome: Outcome, settings: dict[str, Any], bar: ProgressBar) -> None:
     """Starts the processes and says ``go`` to each worker at its moment (see the
     module docstring); returns when the job has finished."""
 
@@ -614,56 +623,6 @@ def compare(
     return identical, worst
 
 
-def plot(outcome: Outcome, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (loss_ax, workers_ax) = plt.subplots(
-        2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
-    )
-    steps = list(range(outcome.steps))
-    loss_ax.plot(
-        steps, outcome.reference_losses, color="tab:gray", linewidth=3, alpha=0.5,
-        label="fixed hardware: 1 process",
-    )  # fmt: skip
-    loss_ax.plot(
-        steps, outcome.losses, color="tab:blue", marker=".", linewidth=1,
-        label="elastic: 1 → 3 workers, one killed, one joins",
-    )  # fmt: skip
-    colors = {"start": "tab:green", "grow": "tab:green", "crash": "tab:red", "leave": "tab:orange"}
-    for row in outcome.table_rows():
-        # Between the last step of the old worker set and the first of the new one.
-        x = row["step"] - 0.5
-        color = colors.get(row["reason"], "tab:gray")
-        for ax in (loss_ax, workers_ax):
-            ax.axvline(x, color=color, linestyle="--", linewidth=1)
-        loss_ax.annotate(
-            row["label"],
-            xy=(x, 1.0),
-            xycoords=("data", "axes fraction"),
-            xytext=(2, -4),
-            textcoords="offset points",
-            rotation=90,
-            va="top",
-            fontsize=8,
-            color=color,
-        )
-    loss_ax.set_ylabel("training loss (global batch)")
-    loss_ax.set_title(title, fontsize=10)
-    loss_ax.legend(fontsize=8, loc="lower left")
-    workers_ax.step(steps, outcome.workers_per_step, where="mid", color="tab:blue")
-    workers_ax.set_ylim(0, WORKERS + 0.5)
-    workers_ax.set_yticks(range(WORKERS + 1))
-    workers_ax.set_ylabel("workers")
-    workers_ax.set_xlabel("step")
-    workers_ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def run(settings: dict[str, Any], data: tuple[torch.Tensor, ...], out: Path) -> bool:
     """Plays the scenario with the demo's ``settings`` (epochs, batch_size,
     virtual_nodes >= WORKERS, lr, seed, timeout) and data, prints its table and verdict,
@@ -686,7 +645,7 @@ def run(settings: dict[str, Any], data: tuple[torch.Tensor, ...], out: Path) -> 
         f"{LATE_JOINER} joins",
         flush=True,
     )
-    bar = demo.ProgressBar(steps)
+    bar = ProgressBar(steps)
     bar.start_run(f"elastic: {FIRST}, +{VICTIM}, +{SECOND_JOINER}, {VICTIM} killed, +{LATE_JOINER}")
     started = time.monotonic()
     procs = _Processes(folder, started + settings["timeout"])
@@ -726,9 +685,12 @@ def run(settings: dict[str, Any], data: tuple[torch.Tensor, ...], out: Path) -> 
             f"({', '.join(f'{reason} → {n}' for reason, n in PLANNED_EVENTS)})"
         )
     print(outcome.verdict(len(want), settings["virtual_nodes"]))
-    plot(
-        outcome,
+    plots.elastic(
         png,
+        outcome.table_rows(),
+        outcome.losses,
+        outcome.reference_losses,
+        outcome.workers_per_step,
         f"digits, B={settings['batch_size']}, V={settings['virtual_nodes']}, deterministic: "
         "an elastic job and the same job on fixed hardware",
     )

@@ -2,7 +2,7 @@
 lost or repeated.
 
 ``ElasticJob`` runs a training function in long-lived worker processes. Membership
-comes from torch.distributed.elastic's rendezvous (vflow.rendezvous); each membership
+comes from torch.distributed.elastic's rendezvous (vflow.elastic.rendezvous); each membership
 round gets a fresh process group, and the executor moves onto it with
 ``Executor.reconfigure``. B and V never change, so neither does the training: every
 global batch is computed exactly once, by whichever workers are there, and in
@@ -53,7 +53,7 @@ DONE   ``steps`` reached: the rendezvous is closed (late joiners return None).
 
 Fewer than ``min_workers`` after a failure: ROUND waits up to ``join_timeout_s`` for
 joiners, then raises RuntimeError, after writing ``checkpoint`` (if given) with
-``vflow.checkpoint.save_local``.
+``vflow.runtime.save_local``.
 """
 
 from __future__ import annotations
@@ -70,10 +70,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from vflow import checkpoint as checkpoint_io
-from vflow.distributed import CollectiveError, World
-from vflow.executor import Executor
-from vflow.rendezvous import (
+from vflow.elastic.rendezvous import (
     Rendezvous,
     RendezvousClosedError,
     RendezvousGracefulExitError,
@@ -82,7 +79,10 @@ from vflow.rendezvous import (
     parse_endpoint,
     round_group,
 )
-from vflow.results import StepResult
+from vflow.runtime import checkpoint as checkpoint_io
+from vflow.runtime.executor import Executor
+from vflow.runtime.results import StepResult
+from vflow.world.group import CollectiveError, World
 
 __all__ = ["LEAVE", "WAITING", "ElasticJob", "Event"]
 
@@ -142,7 +142,7 @@ class ElasticJob:
         last_call_s: once a round has ``min_workers``, how long it waits for more.
         keep_alive_s / keep_alive_attempts: heartbeat period and the missed heartbeats
             after which a worker counts as dead; their product bounds crash recovery
-            from below (Note [Rounds without restarts], vflow/rendezvous.py).
+            from below (Note [Rounds without restarts], vflow/elastic/rendezvous.py).
         store_timeout_s: bound on reaching the store.
         max_recoveries: failed rounds in a row before giving up.
         checkpoint: a file path; when the job cannot go on (too few workers), this

@@ -23,9 +23,9 @@ import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from vflow import batching
-from vflow._checks import require_int
-from vflow.batching import Batch, split_sizes
+from vflow.mapping import batching
+from vflow.mapping._checks import require_int
+from vflow.mapping.batching import Batch, split_sizes
 
 
 class VNSlice(NamedTuple):

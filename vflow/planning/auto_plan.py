@@ -3,13 +3,13 @@ their speeds change.
 
 Note [Automatic plans]
 Every rank holds every worker's profile of the step before the last (Note [Profiles],
-vflow/profile.py): the numbers ride in the step's statistics all-reduce, so every rank
+vflow/planning/profile.py): the numbers ride in the step's statistics all-reduce, so every rank
 sees the same values, and ``AutoPlan.observe`` — a pure function of them and of its own
 state, which every rank updates the same way — reaches the same decision on every rank
 at the same step, without an agreement round.
 
 * The job starts on the even plan. After ``warmup`` profiles of the current plan, the
-  planner (Note [The planner's model], vflow/planner.py) fits every worker's cost and
+  planner (Note [The planner's model], vflow/planning/planner.py) fits every worker's cost and
   proposes the plan with the smallest predicted step time.
 * A proposal is taken only if it predicts a step at least ``min_gain`` (relative)
   faster than the current plan under the same models: small gains are noise, and
@@ -42,9 +42,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vflow import planner
-from vflow.plan import Plan
-from vflow.profile import StepProfile, WorkerProfile
+from vflow.mapping.plan import Plan
+from vflow.planning import planner
+from vflow.planning.profile import StepProfile, WorkerProfile
 
 _log = logging.getLogger("vflow")
 

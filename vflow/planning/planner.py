@@ -12,7 +12,7 @@ minimising the largest compute time.
 
 ``a_w`` and ``b_w`` are fitted by least squares to the median forward + backward
 seconds at each VN size that worker ran in the profiled steps (Note [Profiles],
-vflow/profile.py); medians, because a VN that the operating system preempted says
+vflow/planning/profile.py); medians, because a VN that the operating system preempted says
 nothing about the worker's speed. Profiles only show the sizes a worker ran: under a
 counts plan every VN has nearly the same size, so the fit degenerates to a cost per VN
 at that size, which is all a counts plan needs. A worker that ran no VN yet has no model, and the
@@ -47,9 +47,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vflow.batching import split_sizes
-from vflow.plan import Plan
-from vflow.profile import StepProfile
+from vflow.mapping.batching import split_sizes
+from vflow.mapping.plan import Plan
+from vflow.planning.profile import StepProfile
 
 _INF = math.inf
 
@@ -288,7 +288,7 @@ def _check_models(models: Sequence[WorkerModel], workers: int) -> None:
         raise ValueError(f"models must have one entry per worker ({workers}), got {len(models)}")
     for w, model in enumerate(models):
         if not isinstance(model, WorkerModel):
-            raise TypeError(f"models[{w}] must be a vflow.planner.WorkerModel, got {model!r}")
+            raise TypeError(f"models[{w}] must be a vflow.planning.WorkerModel, got {model!r}")
         if not (model.per_vn_s >= 0 and model.per_sample_s >= 0):
             raise ValueError(f"models[{w}] has a negative cost: {model}")
         if model.max_vn_size is not None and model.max_vn_size < 1:

@@ -6,25 +6,18 @@ compute), the time it sat blocked on collectives that backward did not hide (its
 exposed communication, which also holds any wait for slower workers) and the time of
 the optimizer step. ``StepResult.profile`` carries these numbers for the step just
 run. A planner needs every worker's, on every rank: they travel in the statistics
-all-reduce that every step already runs (vflow.step_stats), one step late — the
+all-reduce that every step already runs (vflow.runtime.step_stats), one step late — the
 statistics are sent before the last backward, when the step's own times are not yet
 known — so gathering them costs no collective. ``Executor.last_profile`` is therefore
 the latest step that every rank holds for all workers: the previous one on several
 workers, the current one on a single process. A new worker set starts without one.
 
-Timing never synchronises the device during a step: on the CPU the marks are host
-timestamps; on CUDA they are events on the current stream, read once the step's last
-event has completed (the one wait the step already has at its end).
+The step measures them with vflow.runtime.clock.StepClock.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -60,30 +53,3 @@ class StepProfile:
 
     step: int
     workers: tuple[WorkerProfile, ...]
-
-
-class StepClock:
-    """Marks points of one step: ``mark()`` returns a point (a host timestamp on the CPU,
-    an event recorded on the current stream on CUDA); ``seconds(a, b)`` between two
-    points, once ``finish(last)`` has run."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
-        # A builtin on the CPU: marking is on the per-VN path.
-        self.mark: Callable[[], Any] = self._record_event if self._cuda else time.perf_counter
-
-    @staticmethod
-    def _record_event() -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def finish(self, last: Any) -> None:
-        """Makes every point up to ``last`` readable (on CUDA: waits for its event)."""
-        if self._cuda:
-            last.synchronize()
-
-    def seconds(self, start: Any, stop: Any) -> float:
-        if self._cuda:
-            return start.elapsed_time(stop) / 1e3
-        return stop - start

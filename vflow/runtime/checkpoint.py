@@ -3,7 +3,7 @@
 What is saved
   ``Executor.state_dict()``: the model, the optimizer, the step counts, the seed, the
   loss scaler's state and V — the executor's whole training state, independent of the
-  plan and of the number of workers (vflow.training_state says why). A checkpoint
+  plan and of the number of workers (vflow.runtime.training_state says why). A checkpoint
   written by W workers therefore resumes on W' workers (any plan) with the same V.
   Resuming bit for bit (not merely to rounding) also needs ``deterministic=True`` on
   both sides, which makes the reductions independent of the mapping.
@@ -50,9 +50,9 @@ from typing import Any
 
 import torch
 
-from vflow.distributed import fingerprint
-from vflow.executor import Executor
-from vflow.training_state import copy_to_cpu
+from vflow.runtime.executor import Executor
+from vflow.runtime.training_state import copy_to_cpu
+from vflow.world.group import fingerprint
 
 # ---- files ----------------------------------------------------------------------------
 
@@ -92,8 +92,8 @@ def save_local(path: str | os.PathLike[str], ex: Executor, extra: Any = None) ->
     """Writes ``ex``'s state and ``extra`` to ``path`` atomically from this process
     alone, without a collective: for a worker whose group is broken (vflow.elastic
     leaves a checkpoint this way when too few workers remain). ``load`` reads it."""
-    path = _check_path(path, "vflow.checkpoint.save_local")
-    _check_executor(ex, "vflow.checkpoint.save_local")
+    path = _check_path(path, "vflow.runtime.save_local")
+    _check_executor(ex, "vflow.runtime.save_local")
     _save_here(path, ex, extra)
 
 

@@ -3,7 +3,7 @@
 Note [Agreement]
 Workers that differ in a setting that changes the gradient or the collectives they
 issue would silently diverge or hang, so every member of a worker set checks that the
-others hold the same values (vflow.membership). What is checked is derived from the
+others hold the same values (vflow.world.membership). What is checked is derived from the
 fields themselves: each field marked ``agreed`` is one column of the check, shown by
 its own name when ranks differ. A new field is therefore checked as soon as it is
 declared; nothing keeps a second list of settings in sync by hand.
@@ -18,10 +18,10 @@ from typing import Literal
 
 import torch
 
-from vflow._checks import require_int
-from vflow.amp import LossScaler, ScalerSettings
-from vflow.distributed import to_timedelta
-from vflow.module_buffers import BUFFER_RULES
+from vflow.mapping._checks import require_int
+from vflow.runtime.amp import LossScaler, ScalerSettings
+from vflow.runtime.module_buffers import BUFFER_RULES
+from vflow.world.group import to_timedelta
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 Deterministic = Literal[False, "ordered", "exact"]

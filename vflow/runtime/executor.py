@@ -1,22 +1,23 @@
 """``vflow.Executor``: runs a global batch as V virtual nodes (VNs) over the workers
 of a worker set, and moves to another worker set between steps.
 
-The executor orchestrates; each concern lives in a module of its own:
+The executor orchestrates; each concern lives in a module of its own, in this room
+(vflow.runtime) unless another is named:
 
-* the settings, validated and frozen (vflow.config), and the loss protocol
-  (vflow.losses);
-* the gradients: flat buffers and hooks for the executor's life (vflow.grad_store,
+* the settings, validated and frozen (config), and the loss protocol (losses);
+* the gradients: flat buffers and hooks for the executor's life (grad_store,
   csrc/grad_store.h), folded and reduced by the C++ Reducer with a reduction strategy
-  (vflow.reduction, csrc/reducer.h);
+  (reduction, csrc/reducer.h);
 * the worker set: a process group, this worker's rank and the non-gradient
-  collectives (vflow.distributed.World); joining one (vflow.membership);
-* the step's statistics and their wire layout (vflow.step_stats), per-VN profiles
-  (vflow.profile), VN batches (vflow.vn_batches, driven by vflow.prefetch), module
-  buffers (vflow.module_buffers) and the training state (vflow.training_state).
+  collectives (vflow.world.World); joining one (vflow.world.membership);
+* the step: its VN loop (step_run), its statistics and their wire layout (step_stats),
+  per-VN profiles (vflow.planning.profile), VN batches (vflow.data.vn_batches, driven by
+  vflow.data.prefetch), module buffers (module_buffers) and the training state
+  (training_state).
 
-A step splits the global batch into V contiguous VN slices; the plan (vflow.plan)
-says which of them this worker runs. The worker runs forward and backward VN by VN
-while the fused kernels fold each VN's gradients into flat float32 buffers, and during
+A step splits the global batch into V contiguous VN slices; the plan (vflow.Plan) says
+which of them this worker runs. The worker runs forward and backward VN by VN while
+the fused kernels fold each VN's gradients into flat float32 buffers, and during
 its last VN the Reducer reduces the buffers bucket by bucket. The gradient is
 normalised once for the whole global batch and every worker steps its optimizer once on
 the same gradient. See docs/design.md for the semantics this guarantees.
@@ -34,23 +35,26 @@ from typing import Any
 
 import torch
 
-from vflow import inference, membership, rng, training_state
-from vflow.amp import LossScaler
-from vflow.auto_plan import AutoPlan, PlanChange
-from vflow.batching import Batch
-from vflow.config import Deterministic, ExecutorConfig
-from vflow.distributed import World, check_plan, default_plan, resolve_group, to_timedelta
-from vflow.grad_store import GradStore, trainable_params
-from vflow.inference import ForwardFn
-from vflow.module_buffers import BufferRule
-from vflow.plan import Plan, VNSlice
-from vflow.prefetch import Prefetcher, VNTransform
-from vflow.profile import StepClock, StepProfile, WorkerProfile
-from vflow.reduction import for_kind
-from vflow.results import StepResult
-from vflow.step_run import StepRun, profiled
-from vflow.step_stats import StatsLayout
-from vflow.vn_batches import VNBatchSource
+from vflow.data.prefetch import Prefetcher, VNTransform
+from vflow.data.vn_batches import VNBatchSource
+from vflow.mapping import rng
+from vflow.mapping.batching import Batch
+from vflow.mapping.plan import Plan, VNSlice
+from vflow.planning.auto_plan import AutoPlan, PlanChange
+from vflow.planning.profile import StepProfile, WorkerProfile
+from vflow.runtime import inference, training_state
+from vflow.runtime.amp import LossScaler
+from vflow.runtime.clock import StepClock
+from vflow.runtime.config import Deterministic, ExecutorConfig
+from vflow.runtime.grad_store import GradStore, trainable_params
+from vflow.runtime.inference import ForwardFn
+from vflow.runtime.module_buffers import BufferRule
+from vflow.runtime.reduction import for_kind
+from vflow.runtime.results import StepResult
+from vflow.runtime.step_run import StepInputs, StepRun, profiled
+from vflow.runtime.step_stats import StatsLayout
+from vflow.world import membership
+from vflow.world.group import World, check_plan, default_plan, resolve_group, to_timedelta
 
 LossFn = Callable[[torch.nn.Module, Batch], Any]
 
@@ -84,14 +88,14 @@ class Executor:
             to ``Plan.even(virtual_nodes, world_size)``. Replace it with ``set_plan``.
             ``"auto"`` (or a ``vflow.AutoPlan`` with settings): start even, then plan
             from the workers' measured speeds and re-plan when they change (Note
-            [Automatic plans], vflow/auto_plan.py; ``plan_history`` lists the changes).
+            [Automatic plans], vflow/planning/auto_plan.py; ``plan_history`` lists the changes).
         process_group: the torch.distributed group whose workers share the step;
             defaults to the default group when torch.distributed is initialised, else
             this process alone. Every rank must construct its Executor with the same
             arguments (checked: plan, model layout and settings). Constructing an
             executor on a group whose other members are already training (they call
             ``reconfigure``) makes this process a new member: it receives their
-            training state (Note [Joining a worker set], vflow/membership.py).
+            training state (Note [Joining a worker set], vflow/world/membership.py).
         timeout: bound on every wait for a collective (seconds or a timedelta). When a
             worker dies or hangs, the others raise vflow.CollectiveError naming the
             step and the group within this time.
@@ -114,7 +118,7 @@ class Executor:
             non-float64 parameters only). See docs/reproducibility.md for the
             conditions and the cost. Stored normalised: False, "ordered" or "exact".
         prefetch: prepare the next VN's batch in a background thread while the current
-            VN computes (Note [Prefetch] in vflow/prefetch.py): slicing, the
+            VN computes (Note [Prefetch] in vflow/data/prefetch.py): slicing, the
             deterministic-mode copy, ``vn_transform`` and, for a model on a GPU and a
             batch on the CPU, the copy to the GPU on a side stream. Results are the same
             with and without it.
@@ -334,7 +338,7 @@ class Executor:
 
         A collective over the new group that every member calls; a process new to the
         job takes part by constructing its Executor on the same group (Note [Joining a
-        worker set], vflow/membership.py). It checks that all ranks agree on the plan,
+        worker set], vflow/world/membership.py). It checks that all ranks agree on the plan,
         the model and the settings, sends the training state to new members, then
         rebuilds what depends on the worker set (the reducer's group, the reduction's
         tree, the statistics' layout) and keeps everything else: the flat buffers and
@@ -458,8 +462,25 @@ class Executor:
         slices, total = self._plan.local_slices(self.rank, batch, global_batch_size)
         clock = StepClock(self._device)
         start = clock.mark()
-        run = StepRun(self, slices, total, clock)
         buffers = self._buffers if self._buffers.has_buffers else None
+        inputs = StepInputs(
+            self.model,
+            self.loss_fn,
+            self._grads,
+            self._world,
+            self._stats,
+            self._generators,
+            buffers,
+            self.seed,
+            self.step_count,
+            self._signal,
+            self._own_profile,
+            1.0 if self.scaler is None else self.scaler.scale,
+            self.skip_nonfinite,
+            self.deterministic,
+            self.max_grad_norm,
+        )
+        run = StepRun(inputs, slices, total, clock)
         if buffers is not None:
             buffers.begin_step()
         try:
@@ -523,7 +544,7 @@ class Executor:
     @property
     def last_profile(self) -> StepProfile | None:
         """Every worker's profile of the latest step that every rank holds (Note
-        [Profiles], vflow/profile.py): on several workers the step before the last,
+        [Profiles], vflow/planning/profile.py): on several workers the step before the last,
         on one process the last; None before there is one (and after a new worker set)."""
         if self._world.distributed:
             return self._gathered_profile
@@ -594,7 +615,7 @@ class Executor:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume training bit for bit on any number of workers:
-        model, optimizer, step counts, seed and loss scaler (vflow.training_state)."""
+        model, optimizer, step counts, seed and loss scaler (vflow.runtime.training_state)."""
         self._check_open()
         return training_state.build(
             self._state_target(),
@@ -607,7 +628,7 @@ class Executor:
     def load_state_dict(self, state: dict[str, Any], *, assign: bool = False) -> None:
         """Restores ``state`` from ``state_dict()``, written with any plan and any
         number of workers for the same V. Raises before changing anything when
-        ``state`` does not fit this executor (vflow.training_state). ``assign``: the
+        ``state`` does not fit this executor (vflow.runtime.training_state). ``assign``: the
         state's tensors belong to nobody else, so the optimizer may adopt them."""
         self._check_open()
         progress = training_state.load(self._state_target(), state, assign=assign)

@@ -5,7 +5,7 @@ Ownership (Note [Gradient store and reducer], csrc/grad_store.h): the C++ GradSt
 owns the GradBuffers that ``param.grad`` point into and the autograd hooks that
 capture gradients (Note [Capturing gradients]); the Reducer cuts the buffers into
 buckets (cut here, by ``assign_buckets``) and holds the replaceable process group;
-the Reduction strategy (vflow.reduction) holds what the kind of sum needs. A new worker
+the Reduction strategy (vflow.runtime.reduction) holds what the kind of sum needs. A new worker
 set (``set_world``) touches only the last two.
 """
 
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import torch
 
 from vflow._extension import _C
-from vflow.distributed import CollectiveError
-from vflow.reduction import Reduction, VNPlacement
+from vflow.runtime.reduction import Reduction, VNPlacement
+from vflow.world.group import CollectiveError
 
 # model -> the live store capturing its gradients. Two stores on one model would both
 # capture them. Kept outside the model so that the model stays deep-copyable/picklable.
@@ -101,7 +101,7 @@ class GradStore:
     Args:
         model: the module the parameters belong to (one live store per model).
         params: trainable leaf parameters, in registration order.
-        reduction: the strategy (vflow.reduction), used by this store only.
+        reduction: the strategy (vflow.runtime.reduction), used by this store only.
         process_group, timeout_s, description: the first worker set (None: this
             process alone).
     """

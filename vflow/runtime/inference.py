@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from vflow import rng
-from vflow.batching import Batch, concat_outputs, map_batch, slice_batch
-from vflow.distributed import World
-from vflow.plan import Plan, VNSlice
+from vflow.mapping import rng
+from vflow.mapping.batching import Batch, concat_outputs, map_batch, slice_batch
+from vflow.mapping.plan import Plan, VNSlice
+from vflow.world.group import World
 
 ForwardFn = Callable[[torch.nn.Module, Batch], Any]
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from vflow.distributed import World
+    from vflow.world.group import World
 
 BUFFER_RULES = ("vn0", "mean")
 

@@ -15,10 +15,10 @@ from typing import NamedTuple
 
 import torch
 
-from vflow import tree
 from vflow._extension import _C
-from vflow.config import Deterministic
-from vflow.plan import Plan
+from vflow.mapping.plan import Plan
+from vflow.runtime import tree
+from vflow.runtime.config import Deterministic
 
 _log = logging.getLogger("vflow")
 
@@ -83,7 +83,7 @@ class _Deterministic(Reduction):
 
 class OrderedTreeSum(_Deterministic):
     """deterministic="ordered": float sums in one fixed tree over the VN indices
-    (Note [Ordered sum], csrc/reduction/ordered.cpp; the tree in vflow.tree)."""
+    (Note [Ordered sum], csrc/reduction/ordered.cpp; the tree in vflow.runtime.tree)."""
 
     kind = "ordered"
 

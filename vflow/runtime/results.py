@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vflow.profile import WorkerProfile
+from vflow.planning.profile import WorkerProfile
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class StepResult:
     grad_norm: the global gradient 2-norm before clipping, when max_grad_norm is set.
     timings: the step's phases on this worker.
     profile: this worker's per-VN forward and backward times, compute and exposed
-      communication (Note [Profiles] in vflow/profile.py); built when first read.
+      communication (Note [Profiles] in vflow/planning/profile.py); built when first read.
     signals: every worker's signal word for this step (``Executor.signal``), by rank:
       what all workers learn at the same step, without a collective of their own.
     """

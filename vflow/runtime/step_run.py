@@ -12,20 +12,29 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.profiler import record_function
 
-from vflow import losses, rng
-from vflow.batching import Batch
-from vflow.plan import VNSlice
-from vflow.profile import StepClock, StepProfile, VNProfile, WorkerProfile
-from vflow.results import PhaseTimings, StepResult
-from vflow.step_stats import local_totals
+from vflow.mapping import rng
+from vflow.mapping.batching import Batch
+from vflow.mapping.plan import VNSlice
+from vflow.planning.profile import StepProfile, VNProfile, WorkerProfile
+from vflow.runtime import losses
+from vflow.runtime.clock import StepClock
+from vflow.runtime.results import PhaseTimings, StepResult
+from vflow.runtime.step_stats import local_totals
 
 if TYPE_CHECKING:
-    from vflow.executor import Executor
+    from torch import nn
+
+    from vflow.runtime.config import Deterministic
+    from vflow.runtime.grad_store import GradStore
+    from vflow.runtime.module_buffers import BufferRule
+    from vflow.runtime.step_stats import StatsLayout
+    from vflow.world.group import World
 
 
 _NO_RANGE = contextlib.nullcontext()
@@ -37,15 +46,39 @@ def profiled(name: str, on: bool) -> contextlib.AbstractContextManager:
     return torch.profiler.record_function(name) if on else _NO_RANGE
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """What one step reads from its executor, handed over by value: the step's code
+    never sees the Executor, which owns it (imports run one way in vflow.runtime)."""
+
+    model: nn.Module
+    loss_fn: Callable[..., Any]
+    grads: GradStore
+    world: World
+    stats: StatsLayout
+    generators: list[torch.Generator]
+    module_buffers: BufferRule | None  # None when the model has no buffers to manage
+    seed: int
+    step: int
+    signal: int
+    own_profile: WorkerProfile | None  # the previous step's, sent with this one
+    loss_scale: float  # 1.0 without loss scaling
+    skip_nonfinite: bool
+    deterministic: Deterministic
+    max_grad_norm: float | None
+
+
 class StepRun:
     """The VN loop (``vns``), then ``reduce``; ``result`` once the step is committed."""
 
-    def __init__(self, ex: Executor, slices: list[VNSlice], total: int, clock: StepClock) -> None:
-        self.ex = ex
+    def __init__(
+        self, inputs: StepInputs, slices: list[VNSlice], total: int, clock: StepClock
+    ) -> None:
+        self.inputs = inputs
         self.slices = slices
         self.total = total
         self.clock = clock
-        self.scale = 1.0 if ex.scaler is None else ex.scaler.scale
+        self.scale = inputs.loss_scale
         self.kind: losses.LossKind | None = None
         self.losses: list[torch.Tensor] = []
         self.weights: list[float] = []
@@ -57,20 +90,20 @@ class StepRun:
         self.grad_norm: float | None = None
         self.stats_wait = 0.0
         self.gathered_profile: StepProfile | None = None
-        self.signals: tuple[int, ...] = (ex._signal,)
+        self.signals: tuple[int, ...] = (inputs.signal,)
         self.after_vns: Any = None
         self.after_reduce: Any = None
         self.profiling = torch.autograd._profiler_enabled()
 
     def vns(self, vn_batches: Iterator[Batch], autocast: Callable[[], Any] | None) -> None:
-        ex, clock, grads = self.ex, self.clock, self.ex._grads
+        inputs, clock, grads = self.inputs, self.clock, self.inputs.grads
         reducer, placement = grads.reducer, grads.reduction.placement
-        loss_fn, model, profiling = ex.loss_fn, ex.model, self.profiling
-        generators = ex._generators
-        module_buffers = ex._buffers if ex._buffers.has_buffers else None
-        distributed = ex._world.distributed
-        seeds = rng.vn_seeds(ex.seed, ex.step_count, [s.vn for s in self.slices])
-        grads.begin_step(ex.step_count)
+        loss_fn, model, profiling = inputs.loss_fn, inputs.model, self.profiling
+        generators = inputs.generators
+        module_buffers = inputs.module_buffers
+        distributed = inputs.world.distributed
+        seeds = rng.vn_seeds(inputs.seed, inputs.step, [s.vn for s in self.slices])
+        grads.begin_step(inputs.step)
         last_position = len(self.slices) - 1
         with contextlib.closing(vn_batches):  # an error waits for the batch in flight
             for position, ((vn, _, size), vn_batch) in enumerate(
@@ -100,16 +133,16 @@ class StepRun:
                 last = position == last_position
                 if last and distributed:
                     reducer.start_stats(
-                        ex._stats.encode(
+                        inputs.stats.encode(
                             [s.vn for s in self.slices],
                             self.losses,
                             self.weights,
                             self.kind,
                             self.items,
-                            ex._own_profile,
-                            ex.rank,
-                            ex._signal,
-                            ex._world.device,
+                            inputs.own_profile,
+                            inputs.world.rank,
+                            inputs.signal,
+                            inputs.world.device,
                         )
                     )
                 loss = parsed.loss if self.scale == 1.0 else parsed.loss.float() * self.scale
@@ -124,10 +157,10 @@ class StepRun:
         self.after_vns = clock.mark()
 
     def reduce(self) -> None:
-        ex, grads = self.ex, self.ex._grads
+        inputs, grads = self.inputs, self.inputs.grads
         waited = time.perf_counter()
-        if ex._world.distributed:
-            stats = ex._stats.decode(grads.reducer.wait_stats())
+        if inputs.world.distributed:
+            stats = inputs.stats.decode(grads.reducer.wait_stats())
             loss_total, items_total = stats.loss_total, stats.items_total
             sum_workers, bad_items = stats.sum_workers, stats.bad_items
             self.gathered_profile = stats.profile
@@ -138,7 +171,7 @@ class StepRun:
             )
             sum_workers = 1.0 if self.kind == "sum" else 0.0
         self.stats_wait = time.perf_counter() - waited
-        losses.check_worker_kinds(sum_workers, ex.world_size)
+        losses.check_worker_kinds(sum_workers, inputs.world.size)
         if bad_items:
             losses.raise_bad_items([s.vn for s in self.slices], self.items, bad_items)
         factor = 1.0 / self.scale
@@ -150,23 +183,23 @@ class StepRun:
             self.num_items = items_total
             factor /= items_total
             self.loss = loss_total / items_total
-        found = grads.finish(factor, ex.skip_nonfinite or bool(ex.deterministic))
-        if ex.deterministic and not ex.skip_nonfinite and found:
+        found = grads.finish(factor, inputs.skip_nonfinite or bool(inputs.deterministic))
+        if inputs.deterministic and not inputs.skip_nonfinite and found:
             raise FloatingPointError(
-                f"vflow step {ex.step_count}: a gradient of the global batch is inf or NaN, "
+                f"vflow step {inputs.step}: a gradient of the global batch is inf or NaN, "
                 "or its sum does not fit float32 (deterministic mode never hands such a sum "
                 "to the optimizer); nothing was changed. Pass skip_nonfinite=True to skip "
                 "such steps instead"
             )
-        if ex.max_grad_norm is not None and not found:
-            self.grad_norm = grads.clip_grad_norm_(ex.max_grad_norm)
+        if inputs.max_grad_norm is not None and not found:
+            self.grad_norm = grads.clip_grad_norm_(inputs.max_grad_norm)
         self.skipped = found
         self.after_reduce = self.clock.mark()
 
     def result(self, start: int, end: int, loss_scale: float | None) -> StepResult:
-        ex, seconds = self.ex, self.clock.seconds
-        wait = ex._grads.last_wait_seconds
-        marks, rank, step = self.marks, ex.rank, ex.step_count
+        inputs, seconds = self.inputs, self.clock.seconds
+        wait = inputs.grads.last_wait_seconds
+        marks, rank, step = self.marks, inputs.world.rank, inputs.step
         optimizer_s = seconds(self.after_reduce, end)
         step_s = seconds(start, end)
         exposed = self.stats_wait + wait

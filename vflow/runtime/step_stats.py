@@ -9,7 +9,7 @@ Layout, for V virtual nodes and W workers::
     2V              1 if this worker's losses are summed
     2V + 1          VNs of this worker with an invalid num_items
     [2V+2, 6V+2)    the previous step's profile, per VN: owner rank + 1, size,
-                    forward seconds, backward seconds (Note [Profiles], vflow.profile)
+                    forward seconds, backward seconds (Note [Profiles], vflow.planning.profile)
     [6V+2, 6V+2+6W) the previous step's profile, per worker: present, step, compute,
                     exposed communication, optimizer and step seconds
     [6V+2+6W, 6V+2+7W) each worker's signal word (``Executor.signal``)
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vflow.losses import LossKind
-from vflow.profile import StepProfile, VNProfile, WorkerProfile
+from vflow.planning.profile import StepProfile, VNProfile, WorkerProfile
+from vflow.runtime.losses import LossKind
 
 _VN_ROWS = 4  # owner + 1, size, forward, backward
 _WORKER_FIELDS = 6  # present, step, compute, exposed comm, optimizer, step

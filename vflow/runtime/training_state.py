@@ -1,13 +1,13 @@
 """An Executor's training state as a plan-independent dict, and restoring it: what
-``Executor.state_dict`` / ``load_state_dict``, the checkpoints (vflow.checkpoint) and
-the state handed to a worker joining the job (vflow.membership) are made of.
+``Executor.state_dict`` / ``load_state_dict``, the checkpoints (vflow.runtime.checkpoint) and
+the state handed to a worker joining the job (vflow.world.membership) are made of.
 
 What it holds
   The model's state dict (parameters and buffers), the optimizer's state dict, the
   step counts (``step_count``, ``skipped_steps``), the seed, the loss scaler's state
   and V. That is the executor's whole training state: the random draws of VN i at
   step s come from generators seeded with ``vn_seed(seed, s, i)`` (Note [VN
-  randomness] in vflow.rng), so (seed, step_count) *is* the complete VN random
+  randomness] in vflow.mapping.rng), so (seed, step_count) *is* the complete VN random
   state; no generator state is needed, and loading replaces the executor's seed with
   the state's.
 
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from vflow._version import __version__
-from vflow.amp import LossScaler
+from vflow.runtime.amp import LossScaler
 
 FORMAT = "vflow.executor"
 VERSION = 1

@@ -15,13 +15,14 @@ import datetime
 import hashlib
 import os
 import socket
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from vflow._extension import _C
-from vflow.plan import Plan
+from vflow.mapping.plan import Plan
 
 CollectiveError = _C.CollectiveError
 
@@ -117,6 +118,17 @@ def default_plan(virtual_nodes: int, world_size: int) -> Plan:
     return Plan.even(virtual_nodes, world_size)
 
 
+def failure_words(cause: str, waited_s: float, timeout_s: float) -> str:
+    """How a failed wait ended, for an error message: "timed out (timeout T s)" when
+    it reached the timeout or the backend says it timed out, else "failed after W s": a
+    peer that died closes its connections long before the timeout, and a crash must
+    not read as a hang (Note [Saying what failed] in csrc/comm.cpp)."""
+    lower = cause.lower()
+    if waited_s >= timeout_s or "timed out" in lower or "timeout" in lower:
+        return f"timed out (timeout {timeout_s:g} s)"
+    return f"failed after {waited_s:.1f} s"
+
+
 class World:
     """One worker set as the Executor sees it: a process group (or this process alone),
     this worker's rank in it, the bound on every wait, and the collectives of the
@@ -145,13 +157,12 @@ class World:
         """Runs one of the ``_C`` collectives, which copy their tensors (Note
         [Collectives on tensors Python cannot see] in csrc/collectives.h)."""
         where = "vflow" if step is None else f"vflow step {step}"
+        start = time.monotonic()
         try:
             collective()
         except RuntimeError as e:
-            raise CollectiveError(
-                f"{where}: {what} on {self.description} failed or timed out (timeout "
-                f"{self.timeout.total_seconds():g} s): {e}"
-            ) from e
+            outcome = failure_words(str(e), time.monotonic() - start, self._timeout_s)
+            raise CollectiveError(f"{where}: {what} on {self.description} {outcome}: {e}") from e
 
     def gather_ints(self, values: Sequence[int], what: str, step: int | None) -> list[list[int]]:
         """Every rank's ``values`` (the same count on every rank), in rank order."""

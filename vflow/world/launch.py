@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vflow.distributed import use_loopback_for_gloo
+from vflow.world.group import use_loopback_for_gloo
 
 __all__ = ["HOST", "STORE_ENV", "RankError", "RankResult", "current_store", "run_ranks"]
 
@@ -86,7 +86,8 @@ def current_store() -> dist.TCPStore:
     taken. Its address is also in the environment variable ``VFLOW_LAUNCH_STORE``."""
     if _store is None:
         raise RuntimeError(
-            "current_store() is only available inside a rank started by vflow.launch.run_ranks"
+            "current_store() is only available inside a rank started by "
+            "vflow.world.launch.run_ranks"
         )
     return _store
 

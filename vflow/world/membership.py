@@ -6,7 +6,7 @@ The Executor's constructor and ``Executor.reconfigure`` run one protocol over th
 group, a sequence of collectives that every rank issues in the same order:
 
 1. One all-gather of a row per rank: a fingerprint of the plan, of the model layout and
-   of every agreed setting (Note [Agreement], vflow/config.py); whether the rank is a
+   of every agreed setting (Note [Agreement], vflow/runtime/config.py); whether the rank is a
    *member* (its executor has been training in this job: ``reconfigure``) or new to it
    (a constructor); a member's step count and a fingerprint of its progress (step
    counts, seed, loss scaler state).
@@ -20,7 +20,7 @@ group, a sequence of collectives that every rank issues in the same order:
      count must then agree on their progress; those behind become receivers, like
      newcomers, and the ones ahead are the members below;
    - members and newcomers: the lowest-ranked member serialises its training state
-     (vflow.training_state: model, optimizer, step counts, seed, loss scaler) and
+     (vflow.runtime.training_state: model, optimizer, step counts, seed, loss scaler) and
      broadcasts it, its size first; each newcomer loads it, bit for bit. A last
      all-gather of one flag per rank makes every rank raise if a newcomer could not;
    - members only (a shrink, or the same workers under a new plan): nothing more.
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vflow.distributed import World, fingerprint
+from vflow.world.group import World, fingerprint
 
 _AGREEMENT = "checking that all ranks agree on the plan and the model"
 

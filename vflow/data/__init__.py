@@ -1,0 +1,11 @@
+"""Feeding VNs their samples: each worker loads only its VNs' samples
+(``VNBatchSampler``), and the next VN's batch is sliced, transformed and copied to the
+device while the current VN computes (``vn_batches`` driven by ``prefetch``).
+
+May import: vflow.mapping.
+"""
+
+from vflow.data.prefetch import VNTransform
+from vflow.data.sampler import VNBatchSampler
+
+__all__ = ["VNBatchSampler", "VNTransform"]

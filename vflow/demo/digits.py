@@ -1,0 +1,54 @@
+"""The demo's workload, also used by the examples: scikit-learn's bundled digits, a
+small CNN with dropout, its loss and accuracy, and the data order of every epoch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["accuracy", "cross_entropy", "epoch_order", "load_digits_split", "make_model"]
+
+
+def load_digits_split(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Digits as (x_train, y_train, x_test, y_test): 8x8 images in [0, 1], 20 % test."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise SystemExit(
+            "the demo needs scikit-learn for its bundled digits dataset: pip install scikit-learn"
+        ) from exc
+    data = load_digits()
+    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(data.target, dtype=torch.long)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    x, y = x[order], y[order]
+    n_test = len(y) // 5
+    return x[n_test:], y[n_test:], x[:n_test], y[:n_test]
+
+
+def epoch_order(samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The order in which every run of the demo reads the training set in ``epoch``."""
+    return torch.randperm(samples, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Dropout(0.1), nn.Linear(32 * 4 * 4, 10),
+    )  # fmt: skip
+
+
+def cross_entropy(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    model.eval()
+    acc = (model(x).argmax(1) == y).float().mean().item()
+    model.train()
+    return acc

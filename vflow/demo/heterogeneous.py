@@ -1,0 +1,110 @@
+"""The main job's heterogeneous row: 2 workers at speeds 2:1, the second one
+*emulated* at half speed (vflow.planning.SlowDown), once with the even plan and once
+with ``plan="auto"``, which profiles the workers and moves VNs to the faster one. Their
+parameters must equal the first run's bitwise like every other mapping's; ``table``
+gives their steady throughput side by side with the bounds for whole VNs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+import vflow
+from vflow.bench.table import format_table
+from vflow.demo.mappings import Outcome, Run
+from vflow.planning import planner
+
+# Worker w's compute is SLOWDOWN[w] times slower (emulated).
+SLOWDOWN = (1.0, 2.0)
+
+
+def runs(virtual_nodes: int, batch_size: int) -> list[Run]:
+    """The two runs: the even plan, then plan="auto" starting from it."""
+    even = vflow.Plan.even(virtual_nodes, len(SLOWDOWN)).counts
+    return [
+        Run(f"vflow, {len(SLOWDOWN)} workers at speeds {speeds_label()} (emulated), {kind}",
+            len(SLOWDOWN), batch_size, even, SLOWDOWN, kind == 'plan="auto"')
+        for kind in ("even plan", 'plan="auto"')
+    ]  # fmt: skip
+
+
+def speeds_label() -> str:
+    """SLOWDOWN as relative speeds, e.g. "2:1"."""
+    slowest = max(SLOWDOWN)
+    return ":".join(f"{slowest / f:g}" for f in SLOWDOWN)
+
+
+def steady_step_seconds(outcome: Outcome) -> float:
+    """The median step time over the last half of the steps, when plan="auto" has long
+    planned (it plans after a few steps)."""
+    times = outcome.step_seconds[len(outcome.step_seconds) // 2 :]
+    return float(np.median(times)) if times else math.nan
+
+
+def _unit_models(slowdown: Sequence[float]) -> list[planner.WorkerModel]:
+    """Worker w takes ``slowdown[w]`` units per VN, whatever its size."""
+    return [planner.WorkerModel(per_vn_s=f, per_sample_s=0.0) for f in slowdown]
+
+
+def _even_step_units(virtual_nodes: int, slowdown: Sequence[float]) -> float:
+    even = vflow.Plan.even(virtual_nodes, len(slowdown))
+    return planner.predict(even, _unit_models(slowdown), virtual_nodes).step_s
+
+
+def best_whole_vn_gain(virtual_nodes: int, slowdown: Sequence[float]) -> float:
+    """Step time of the even plan over that of the best counts plan (vflow.planning.planner) when
+    compute alone counts and worker w takes ``slowdown[w]`` units per VN: what moving
+    whole, equal VNs can gain at these speeds."""
+    best = planner.plan_counts(_unit_models(slowdown), virtual_nodes, virtual_nodes)
+    return _even_step_units(virtual_nodes, slowdown) / best.step_s
+
+
+def compute_bound_gain(virtual_nodes: int, slowdown: Sequence[float]) -> float:
+    """The same for a perfect split of the compute (the sum of the workers' speeds)."""
+    return _even_step_units(virtual_nodes, slowdown) * sum(1 / f for f in slowdown) / virtual_nodes
+
+
+def _plan_path(outcome: Outcome) -> str:
+    path = str(list(outcome.run.counts or ()))
+    for change in outcome.plan_changes:
+        path += f" -({change['step']})-> {change['counts']}"
+    return path
+
+
+def table(outcomes: list[Outcome], virtual_nodes: int) -> str:
+    """The heterogeneous runs side by side: plans, steady throughput, gain over even,
+    and the bounds at the speeds set and at the speeds measured in the even run."""
+    even = next(o for o in outcomes if not o.run.auto_plan)
+    headers = ["run", "ms per VN by worker", "steady step ms", "samples/s", "vs even plan",
+               "max |param diff| vs first", "plans"]  # fmt: skip
+    rows = []
+    for o in outcomes:
+        step_s = steady_step_seconds(o)
+        rows.append([
+            o.run.name, " / ".join(f"{1e3 * t:.2f}" for t in o.vn_seconds),
+            f"{1e3 * step_s:.1f}", f"{o.run.global_batch / step_s:.0f}",
+            f"{steady_step_seconds(even) / step_s:.2f}x",
+            f"{o.max_param_diff:.2e}" if o.max_param_diff else "0", _plan_path(o),
+        ])  # fmt: skip
+    lines = [
+        "heterogeneous workers, EMULATED (vflow.planning.SlowDown: worker w waits to run "
+        f"{list(SLOWDOWN)} times slower); steady = median over the last half of the steps",
+        format_table(headers, rows),
+        f"bounds over the even plan, compute only (communication and the optimizer do not "
+        f"shrink): speeds {speeds_label()} as set: "
+        f"{compute_bound_gain(virtual_nodes, SLOWDOWN):.2f}x, "
+        f"{best_whole_vn_gain(virtual_nodes, SLOWDOWN):.2f}x with V={virtual_nodes} whole VNs",
+    ]
+    measured = even.vn_seconds
+    if measured and all(t > 0 for t in measured):
+        fastest = min(measured)
+        ratio = [t / fastest for t in measured]
+        label = ":".join(f"{max(ratio) / r:.2f}" for r in ratio)
+        lines[-1] += (
+            f"; speeds {label} as measured in the even run: "
+            f"{compute_bound_gain(virtual_nodes, ratio):.2f}x, "
+            f"{best_whole_vn_gain(virtual_nodes, ratio):.2f}x with whole VNs"
+        )
+    return "\n".join(lines)
