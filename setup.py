@@ -8,9 +8,11 @@ the decision (``0`` forces a CPU-only build, ``1`` fails loudly if CUDA is missi
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import sys
+import sysconfig
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -117,21 +119,63 @@ def _version() -> str:
     return match.group(1)
 
 
+def _environment_torch(target_dirs: list[Path]) -> str | None:
+    """The version of the torch installed in the environment being installed into."""
+    for dist in importlib.metadata.distributions(path=[str(d) for d in target_dirs]):
+        if (dist.metadata["Name"] or "").lower() == "torch":
+            return dist.version
+    return None
+
+
+def check_build_torch(torch_file: str, torch_version: str, target_dirs: list[Path]) -> None:
+    """Refuses an isolated build that would replace the environment's own torch.
+
+    Plain ``pip install .`` builds in an isolated environment against the torch that
+    pyproject.toml pins (the CPU build), and the wheel then requires exactly that torch
+    (the extension's ABI is tied to it): in an environment that has another torch — a
+    CUDA build, another release — pip would silently replace it, or leave a CPU-only
+    vflow beside a CUDA torch. Building against the environment's own torch is what
+    ``pip install --no-build-isolation .`` does, the convention of CUDA extensions.
+    """
+    building_with = Path(torch_file).resolve()
+    if any(d.resolve() in building_with.parents for d in target_dirs):
+        return  # the environment's own torch: --no-build-isolation, or make
+    theirs = _environment_torch(target_dirs)
+    if theirs is None or theirs == torch_version:
+        return  # nothing to replace
+    sys.exit(
+        f"vflow: this environment has torch {theirs}, but pip is building vflow in an isolated "
+        f"environment against torch {torch_version} (pyproject.toml's pin); installing the "
+        f"result would replace your torch with {torch_version.split('+')[0]} or leave vflow "
+        "without the kernels your torch needs.\nBuild against the torch you have instead:\n"
+        "    pip install --no-build-isolation .\n(with setuptools, wheel and ninja installed)"
+    )
+
+
 def _torch_requirement() -> str:
     # The extension's ABI is tied to the torch it was compiled against: pin that release.
     public_version = torch.__version__.split("+")[0]
     return f"torch=={public_version}"
 
 
-setup(
-    name="vflow",
-    version=_version(),
-    description="Virtual node processing for PyTorch: hardware-independent batch size and results",
-    long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
-    long_description_content_type="text/markdown",
-    python_requires=">=3.10",
-    packages=find_packages(include=["vflow", "vflow.*"]),
-    install_requires=[_torch_requirement(), "numpy"],
-    ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-)
+# setuptools runs this file as __main__; tests load it under another name to call the
+# checks above on their own.
+if __name__ == "__main__":
+    paths = sysconfig.get_paths()
+    check_build_torch(
+        torch.__file__, torch.__version__, sorted({Path(paths["purelib"]), Path(paths["platlib"])})
+    )
+    setup(
+        name="vflow",
+        version=_version(),
+        description=(
+            "Virtual node processing for PyTorch: hardware-independent batch size and results"
+        ),
+        long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
+        long_description_content_type="text/markdown",
+        python_requires=">=3.10",
+        packages=find_packages(include=["vflow", "vflow.*"]),
+        install_requires=[_torch_requirement(), "numpy"],
+        ext_modules=[_extension()],
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    )
