@@ -5,6 +5,8 @@
 # TORCH_VERSION pins the PyTorch the extension is built against (default: the CPU build).
 # Everything runs in .venv: `source .venv/bin/activate`, or prefix commands with .venv/bin/.
 
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
@@ -22,13 +24,21 @@ $(DEPS_STAMP):
 	create a virtual environment (no venv/ensurepip); on Debian/Ubuntu: sudo apt install \
 	python3-venv" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
+	@echo "make: installing torch==$(TORCH_VERSION), numpy, scikit-learn, matplotlib, pytest \
+	and ruff into $(VENV) (a few hundred MB; once)"
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" numpy ninja setuptools wheel \
-		pytest ruff scikit-learn matplotlib
+	$(PY) -m pip install --progress-bar on "torch==$(TORCH_VERSION)" numpy ninja setuptools \
+		wheel pytest ruff scikit-learn matplotlib
 	touch $@
 
+# Shows the compiler's progress, one line per file, and any error (pip -v prints whole
+# compiler commands; setup.py prints its decisions twice).
 $(BUILD_STAMP): $(DEPS_STAMP) $(EXT_SOURCES)
-	MAX_JOBS=2 $(PY) -m pip install -q --no-build-isolation -e .
+	@echo "make: compiling vflow's C++ extension (15 files, about 3-4 minutes on 2 cores; once)"
+	MAX_JOBS=2 $(PY) -m pip install -v --no-build-isolation -e . 2>&1 | \
+		sed -nuE -e 's#^ *\[([0-9]+/[0-9]+)\] .* -c [^ ]*/(csrc/[^ ]+) .*#  [\1] \2#p' \
+		-e 's#^ *(vflow: .*)#\1#p' -e '/error:|Error:|^ERROR/p' | \
+		awk '!seen[$$0]++ { print; fflush() }'
 	touch $@
 
 demo: $(BUILD_STAMP)
