@@ -72,9 +72,10 @@ build() {
 cuda_tests() {
   local out="$LOG_DIR/cuda_tests.pytest.log"
   "$PYTHON" -m pytest -q -rs -p no:cacheprovider -k "cuda" \
-    tests/test_kernels.py tests/test_exact.py tests/test_ops.py tests/test_executor.py \
-    tests/test_grad_buffer.py tests/test_reducer.py tests/test_memory.py tests/test_tree.py \
-    tests/test_prefetch.py 2>&1 | tee "$out"
+    tests/test_kernels.py tests/test_ops.py tests/runtime/test_exact.py \
+    tests/runtime/test_executor.py tests/runtime/test_grad_buffer.py \
+    tests/runtime/test_reducer.py tests/runtime/test_memory.py tests/runtime/test_tree.py \
+    tests/data/test_prefetch.py 2>&1 | tee "$out"
   local rc=${PIPESTATUS[0]}
   # pytest's last line, e.g. "2 failed, 80 passed, 3 skipped, 1 error in 9.1s".
   local passed failed skipped

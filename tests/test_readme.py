@@ -1,20 +1,29 @@
-"""README.md and docs/guide.md as a new user reads them: every command the README shows
-works as written right after ``make demo`` / ``make test`` from a clean clone, which
-install vflow into .venv and not into the system Python; and every snippet that calls
-``ex.infer`` puts the model in eval mode first."""
+"""README.md and docs/ as a new user reads them: every command the README shows works as
+written right after ``make demo`` / ``make test`` from a clean clone, which install
+vflow into .venv and not into the system Python; the README's single-process snippets
+run; every vflow name and every file the docs give exists; and every snippet that calls
+``ex.infer`` puts the model in eval mode first. (The README's torchrun and elastic lines
+run in tests/test_examples.py and tests/elastic/test_train_elastic.py.)"""
 
 from __future__ import annotations
 
+import importlib
 import re
 import shutil
+import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
+import vflow
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 GUIDE = (ROOT / "docs" / "guide.md").read_text(encoding="utf-8")
+DOCS = ["README.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md")))]
+DOCS += ["benchmarks/README.md"]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 # Commands that only exist inside .venv after make: shown bare, they fail ("command not
 # found", or the system Python without vflow).
@@ -68,3 +77,93 @@ def test_infer_snippets_put_the_model_in_eval_mode_first(name: str, text: str) -
     for block in snippets:
         before = block[: block.index("ex.infer(")]
         assert "model.eval()" in before, f"{name}: ex.infer without model.eval() before:\n{block}"
+
+
+# design.md's note on the modules moved in 0.4 gives two old paths as examples.
+_DOCUMENTED_OLD_PATHS = {"vflow.plan", "vflow.checkpoint"}
+
+
+def _resolve(dotted: str) -> bool:
+    """Whether ``dotted`` (vflow.x.y.Z) names an importable module or an attribute."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # the old paths named
+                obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_vflow_name_the_docs_give_resolves(doc: str) -> None:
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    # Not after a dot or a slash: torch.ops.vflow.x names an operator, vflow/x a path.
+    names = set(re.findall(r"(?<![\w./])vflow(?:\.[A-Za-z_]\w*)+", text))
+    assert names, f"{doc} names nothing of vflow"
+    moved = sorted(
+        name
+        for name in names - _DOCUMENTED_OLD_PATHS
+        if any(name == old or name.startswith(old + ".") for old in vflow.MOVED_MODULES)
+    )
+    assert not moved, f"{doc} names modules by their paths from before 0.4: {moved}"
+    missing = sorted(name for name in names if not _resolve(name))
+    assert not missing, f"{doc} names what vflow does not have: {missing}"
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_file_the_docs_name_exists(doc: str) -> None:
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    # A path into the checkout: a file with an extension, or a folder written with its /.
+    paths = re.findall(
+        r"(?<![\w./-])((?:vflow|tests|benchmarks|csrc|examples|docs|\.ci)/[\w./-]*"
+        r"(?:\.\w+|/))(?![\w*])",
+        text,
+    )
+    missing = sorted({p for p in paths if not (ROOT / p).exists()})
+    assert not missing, f"{doc} names files that are not there: {missing}"
+
+
+# The names the README's snippets assume: a model, its optimizer, a loss, a loader of
+# global batches, test inputs, an epoch. Each snippet runs on its own, as a reader would
+# paste it; those that need a process group (torchrun, a rendezvous store) run in the
+# examples' tests instead.
+_PRELUDE = """
+import torch
+import vflow
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+loss_fn = lambda model, batch: torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+loader = [(torch.randn(48, 8), torch.randint(0, 4, (48,))) for _ in range(3)]
+x_test = torch.randn(10, 8)
+epoch = 0
+"""
+_RUN_EACH = """
+import sys
+import warnings
+for number, snippet in enumerate(sys.argv[1:]):
+    exec(compile(PRELUDE + snippet, f"README python snippet {number}", "exec"), {})
+print("ran", len(sys.argv) - 1)
+"""
+
+
+def test_the_readmes_single_process_snippets_run(tmp_path: Path) -> None:
+    blocks = [b for b in _blocks(README, "python") if "dist." not in b and "ElasticJob" not in b]
+    assert len(blocks) >= 3, "the README's single-process snippets"
+    result = subprocess.run(
+        [sys.executable, "-c", f"PRELUDE = {_PRELUDE!r}\n{_RUN_EACH}", *blocks],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith(f"ran {len(blocks)}")
+    assert (tmp_path / "ckpt.pt").exists()

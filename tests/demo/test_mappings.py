@@ -67,7 +67,7 @@ def test_short_run_gives_identical_vflow_mappings_and_writes_the_plot(tmp_path: 
     assert max(d for d in half_batch["param_diff_per_step"] if d is not None) > 0
     png = (out / "loss_curves.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
-    assert not (out / "elastic.json").exists()  # --no-elastic (tests/test_demo_elastic.py)
+    assert not (out / "elastic.json").exists()  # --no-elastic (tests/demo/test_elastic_scenario.py)
 
 
 def _outcome(name: str, global_batch: int, steps_per_epoch: int, values: list[float]):

@@ -1,5 +1,5 @@
 """vflow.planning.auto_plan.AutoPlan: when it plans, re-plans and keeps a plan, from synthetic
-profiles (the multi-rank runs are in tests/test_heterogeneous.py)."""
+profiles (the multi-rank runs are in tests/planning/test_heterogeneous.py)."""
 
 from __future__ import annotations
 

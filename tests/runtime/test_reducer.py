@@ -1,5 +1,5 @@
 """vflow._C.Reducer on one process: bucket layout, folding, and its call protocol.
-Its collectives are tested with real process groups in tests/test_distributed.py."""
+Its collectives are tested with real process groups in tests/runtime/test_distributed.py."""
 
 import pytest
 import torch

@@ -4,7 +4,7 @@ that follows it (Note [Ordered sum] in csrc/reduction/ordered.cpp) on one proces
 The reference is the tree sum written recursively in float32: node [lo, hi) is
 sum(left) + sum(right). Whatever the tiling of [0, V) into workers, every worker's
 stack plus the owner's combine must give exactly those bits. The multi-process path
-(shards over Gloo) is tested end to end in tests/test_deterministic.py.
+(shards over Gloo) is tested end to end in tests/runtime/test_deterministic.py.
 """
 
 from __future__ import annotations
