@@ -1,5 +1,5 @@
-"""Helpers shared by the vflow benchmarks: device choice, environment header, timing,
-statistics, tables and JSON output.
+"""Helpers shared by the vflow benchmarks: their command lines, device choice, the
+environment header, timing, statistics, tables, the benchmark MLP and JSON output.
 
 The scripts import this module by name, so they are meant to be run as files
 (``python benchmarks/accumulate.py``), which puts this folder on ``sys.path``.
@@ -14,35 +14,43 @@ import platform
 import statistics
 import subprocess
 import time
-import timeit
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
-import torch.utils.benchmark as tbench
+from torch import nn
 
 import vflow
 from vflow import _C, ops
 from vflow.bench import cli as bench_cli
+from vflow.bench.kernels import cpu_name
+from vflow.bench.kernels import time_blocks as time_blocks  # one timer with python -m vflow bench
+from vflow.bench.kernels import usable_cpus as usable_cpus
 from vflow.bench.table import format_table as format_table  # the scripts' tables: one formatter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def add_output_args(parser: argparse.ArgumentParser, *, quick: str) -> None:
+    """--quick (``quick`` says what it shortens) and --json, which every script has."""
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument(
+        "--json", type=Path, default=None, metavar="PATH", help="write the results to PATH"
+    )
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """The options of a script that measures in this process: --device, --quick, --json
+    and --threads."""
     parser.add_argument(
         "--device",
         default=None,
         help="cpu, cuda or cuda:N (default: cuda if available, else cpu)",
     )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="short run with fewer repetitions and smaller inputs (CI smoke test)",
-    )
-    parser.add_argument(
-        "--json", type=Path, default=None, metavar="PATH", help="write all results to PATH"
+    add_output_args(
+        parser, quick="short run with fewer repetitions and smaller inputs (CI smoke test)"
     )
     parser.add_argument(
         "--threads",
@@ -50,6 +58,41 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch intra-op threads (default: torch's default); 1 avoids descheduled "
         "OpenMP workers on a busy machine",
+    )
+
+
+T = TypeVar("T", int, float)
+
+
+@dataclass(frozen=True)
+class Default(Generic[T]):
+    """An option's default: one for a full run, one for --quick."""
+
+    full: T
+    quick: T
+
+    def text(self) -> str:
+        return f"default {self.full:g}, {self.quick:g} quick"
+
+    def of(self, args: argparse.Namespace, name: str) -> T:
+        """Option ``name``'s value in ``args``, or this default for the run they ask for
+        (an unset option and 0 alike)."""
+        return getattr(args, name) or (self.quick if args.quick else self.full)
+
+
+def add_process_args(
+    parser: argparse.ArgumentParser, *, per: str, timeout_s: Default[float]
+) -> None:
+    """--threads and --timeout of a script that runs one process per Gloo ``per`` (rank,
+    worker) on this machine."""
+    parser.add_argument(
+        "--threads", type=int, default=1, help=f"torch intra-op threads per {per} (default 1)"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help=f"give up (and kill every {per}) after this many seconds ({timeout_s.text()})",
     )
 
 
@@ -73,17 +116,6 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _cpu_model_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _git(*args: str) -> str:
     return subprocess.run(
         ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5, check=True
@@ -98,13 +130,6 @@ def _git_revision() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return f"{rev}-dirty" if dirty else rev
-
-
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def other_cpu_use(sample_s: float = 0.5) -> float | None:
@@ -156,7 +181,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "git": _git_revision(),
         "python": platform.python_version(),
         "device": str(device),
-        "cpu": _cpu_model_name(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "cpu_affinity": affinity,
         "torch_threads": torch.get_num_threads(),
@@ -197,32 +222,46 @@ def print_header(title: str, env: dict[str, Any]) -> None:
     print(flush=True)
 
 
-def time_blocks(
-    fn: Callable[[], object],
-    device: torch.device,
-    *,
-    min_run_time: float,
-    num_threads: int | None = None,
-    label: str = "",
-    description: str = "",
-) -> list[float]:
-    """Seconds per call of ``fn``, one value per block of torch's blocked_autorange.
+@dataclass(frozen=True)
+class Session:
+    """A script's run: the device it measures on, the environment its header printed
+    (stored with every record) and where its results go."""
 
-    Callers pool the blocks of several calls (taken in rounds, interleaved with the
-    other methods) and report the median, so slow drift on a shared machine hits every
-    method alike.
-    """
-    timer = tbench.Timer(
-        stmt="fn()",
-        globals={"fn": fn},
-        label=label,
-        description=description,
-        # Timer defaults to one thread; benchmark what users run.
-        num_threads=torch.get_num_threads() if num_threads is None else num_threads,
-        # Timer's default clock synchronises the accelerator; a CPU run need not pay it.
-        **({} if device.type == "cuda" else {"timer": timeit.default_timer}),
-    )
-    return list(timer.blocked_autorange(min_run_time=min_run_time).times)
+    device: torch.device
+    env: dict[str, Any]
+    json_path: Path | None
+
+    def finish(self, records: list[dict[str, Any]]) -> int:
+        """The closing lines: machine use at the end, then the JSON file; the exit status."""
+        print()
+        busy_end = other_cpu_use()
+        report_machine_use("at end", busy_end, self.env["torch_threads"])
+        if self.json_path:
+            write_json(self.json_path, records, self.env | {"busy_cpus_at_end": busy_end})
+        return 0
+
+
+def _open(title: str, device: torch.device, json_path: Path | None, **extra: Any) -> Session:
+    env = environment(device) | extra
+    print_header(title, env)
+    return Session(device, env, json_path)
+
+
+def open_session(args: argparse.Namespace, title: str, *, threads: int | None = None) -> Session:
+    """The opening of a script with add_common_args' options: torch's threads (--threads,
+    else ``threads``, else torch's default), the device, then the environment header."""
+    apply_threads(args.threads if args.threads is not None else threads)
+    return _open(title, pick_device(args.device), args.json)
+
+
+def open_process_session(
+    args: argparse.Namespace, title: str, *, threads: int, **extra: Any
+) -> Session:
+    """The opening of a script whose processes on this machine (Gloo ranks, workers) each
+    run ``threads`` torch threads on the CPU: this one runs as many, so that the header's
+    thread count is theirs. ``extra`` joins the environment (the processes, the backend)."""
+    apply_threads(threads)
+    return _open(title, torch.device("cpu"), args.json, **extra)
 
 
 def median(values: Sequence[float]) -> float:
@@ -247,16 +286,6 @@ def fmt_ms(seconds: float | None) -> str:
     return f"{ms:.4f}"
 
 
-def finish_run(json_path: Path | None, records: list[dict[str, Any]], env: dict[str, Any]) -> int:
-    """Closing lines shared by the scripts: machine use at the end, then the JSON file."""
-    print()
-    busy_end = other_cpu_use()
-    report_machine_use("at end", busy_end, env["torch_threads"])
-    if json_path:
-        write_json(json_path, records, env | {"busy_cpus_at_end": busy_end})
-    return 0
-
-
 def write_json(path: Path, records: list[dict[str, Any]], env: dict[str, Any]) -> None:
     """Writes ``records`` as a JSON list of dicts, each carrying the environment, so
     files from several machines or commits can be concatenated and compared."""
@@ -265,3 +294,79 @@ def write_json(path: Path, records: list[dict[str, Any]], env: dict[str, Any]) -
         json.dump([{**record, "env": env} for record in records], f, indent=2)
         f.write("\n")
     print(f"wrote {len(records)} results to {path}")
+
+
+# ---- The benchmark MLP ----
+
+CLASSES = 10
+HIDDEN = Default(full=1024, quick=512)
+LAYERS = Default(full=12, quick=4)
+BATCH_SIZE = Default(full=128, quick=64)
+
+
+@dataclass(frozen=True)
+class Mlp:
+    """``layers`` x (Linear(hidden, hidden) + ReLU) and a 10-way head: the model
+    distributed.py trains (step.py a 4-layer one), the one benchmarks/_elastic_worker.py
+    builds for elastic.py, and the size of accumulate.py's exact-kernel table."""
+
+    hidden: int
+    layers: int
+
+    @property
+    def name(self) -> str:
+        return f"mlp {self.layers}x{self.hidden}"
+
+    @property
+    def params(self) -> int:
+        h = self.hidden
+        return self.layers * (h * h + h) + h * CLASSES + CLASSES
+
+    def build(self) -> nn.Module:
+        blocks: list[nn.Module] = []
+        for _ in range(self.layers):
+            blocks += [nn.Linear(self.hidden, self.hidden), nn.ReLU()]
+        return nn.Sequential(*blocks, nn.Linear(self.hidden, CLASSES))
+
+
+FULL_MLP = Mlp(HIDDEN.full, LAYERS.full)
+
+
+def add_mlp_args(parser: argparse.ArgumentParser) -> None:
+    """--batch-size, --hidden and --layers: the benchmark MLP and its global batch."""
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help=f"global batch B ({BATCH_SIZE.text()})"
+    )
+    parser.add_argument("--hidden", type=int, default=None, help=f"MLP width ({HIDDEN.text()})")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help=f"hidden Linear layers (default {LAYERS.full:g}, ~{FULL_MLP.params / 1e6:.1f} M "
+        f"params; {LAYERS.quick:g} quick)",
+    )
+
+
+def mlp_of(args: argparse.Namespace) -> tuple[Mlp, int]:
+    """The MLP and the global batch that add_mlp_args' options ask for."""
+    mlp = Mlp(HIDDEN.of(args, "hidden"), LAYERS.of(args, "layers"))
+    return mlp, BATCH_SIZE.of(args, "batch_size")
+
+
+def size_problem(
+    args: argparse.Namespace, *, processes: int, per: str, positive: Sequence[str]
+) -> str | None:
+    """What is wrong with the sizes asked for on a command line with add_mlp_args'
+    options and --virtual-nodes, whose VNs ``processes`` processes (each a ``per``)
+    share: an option of ``positive`` below 1, fewer VNs than processes or a global batch
+    smaller than V. None when nothing is."""
+    for name in positive:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')} must be >= 1, got {value}"
+    if args.virtual_nodes < processes:
+        return f"--virtual-nodes must be >= {processes} (one VN per {per} at least)"
+    _, batch_size = mlp_of(args)
+    if batch_size < args.virtual_nodes:
+        return f"--batch-size {batch_size} < --virtual-nodes {args.virtual_nodes}"
+    return None

@@ -38,16 +38,13 @@ from typing import Any
 
 import torch
 from _common import (
+    FULL_MLP,
     add_common_args,
-    apply_threads,
-    environment,
-    finish_run,
     fmt_ms,
     format_table,
     iqr,
     median,
-    pick_device,
-    print_header,
+    open_session,
     synchronize,
     time_blocks,
 )
@@ -453,15 +450,10 @@ EXACT_ORDER = (
 )
 
 
-def mlp_numel(hidden: int = 1024, layers: int = 12, classes: int = 10) -> int:
-    """Parameters of distributed.py's MLP: `layers` Linear(hidden, hidden) and a head."""
-    return layers * (hidden * hidden + hidden) + hidden * classes + classes
-
-
 def exact_sizes(numels: list[int] | None, *, quick: bool) -> list[tuple[str, int]]:
     if numels:
         return [(f"{n:,}", n) for n in numels]
-    sizes = [("mlp 12x1024", mlp_numel())]
+    sizes = [(FULL_MLP.name, FULL_MLP.params)]
     if not quick:
         sizes.append(("resnet50", numel(resnet50_shapes())))
     return sizes
@@ -752,14 +744,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.exact_numel and min(args.exact_numel) < 1:
         parser.error("--exact-numel: every N must be >= 1")
-    apply_threads(args.threads)
-    device = pick_device(args.device)
     rounds = args.rounds or (1 if args.quick else 5)
     min_run_time = args.min_run_time or (0.05 if args.quick else 0.4)
     gpt2_layers = args.gpt2_layers or (2 if args.quick else 12)
-
-    env = environment(device)
-    print_header("vflow benchmark: fused gradient accumulation", env)
+    session = open_session(args, "vflow benchmark: fused gradient accumulation")
+    device = session.device
 
     records: list[dict[str, Any]] = []
     if not args.exact_only:
@@ -773,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_exact:
         sizes = exact_sizes(args.exact_numel, quick=args.quick)
         records += exact_section(device, sizes, rounds=rounds, min_run_time=min_run_time)
-    return finish_run(args.json, records + headline_records(records), env)
+    return session.finish(records + headline_records(records))
 
 
 # ---- Headline records for the suite's summary (vflow/bench/records.py) ----

@@ -120,21 +120,25 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _common import (
-    apply_threads,
-    environment,
-    finish_run,
+    CLASSES,
+    Default,
+    Mlp,
+    add_mlp_args,
+    add_output_args,
+    add_process_args,
     fmt_ms,
     format_table,
     iqr,
     median,
-    print_header,
+    mlp_of,
+    open_process_session,
+    size_problem,
     usable_cpus,
 )
 from torch import nn
@@ -148,7 +152,7 @@ from vflow.world import launch
 from vflow.world.group import World
 
 WORLD_SIZE = 2
-CLASSES = 10
+TIMEOUT_S = Default(full=600.0, quick=120.0)
 TARGET_RATIO = 1.0  # vflow step time / DDP step time, printed (not asserted)
 # deterministic="ordered" step time / default vflow step time, printed (not asserted).
 # The exact kind's ratio is printed for information, without a target.
@@ -177,12 +181,9 @@ class Config:
     ddp_set_to_none: bool
     collective_timeout_s: float
 
-
-def mlp(hidden: int, layers: int) -> nn.Module:
-    blocks: list[nn.Module] = []
-    for _ in range(layers):
-        blocks += [nn.Linear(hidden, hidden), nn.ReLU()]
-    return nn.Sequential(*blocks, nn.Linear(hidden, CLASSES))
+    @property
+    def mlp(self) -> Mlp:
+        return Mlp(self.hidden, self.layers)
 
 
 def minor_faults() -> int:
@@ -252,7 +253,7 @@ class Bench:
         self.cfg = cfg
         self.rank = rank
         torch.manual_seed(0)
-        initial = mlp(cfg.hidden, cfg.layers)
+        initial = cfg.mlp.build()
         self.model_v = copy.deepcopy(initial)
         self.model_d = copy.deepcopy(initial)
         self.model_o = copy.deepcopy(initial)
@@ -594,7 +595,7 @@ def summarise(
         "benchmark": "distributed",
         "backend": "gloo",
         "world_size": WORLD_SIZE,
-        "model": f"mlp {cfg.layers}x{cfg.hidden}",
+        "model": cfg.mlp.name,
         "params": bench.params,
         "virtual_nodes": cfg.virtual_nodes,
         "global_batch": cfg.batch_size,
@@ -932,15 +933,8 @@ def run(cfg: Config, timeout_s: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--quick", action="store_true", help="small model and few repetitions (CI smoke test)"
-    )
-    parser.add_argument(
-        "--json", type=Path, default=None, metavar="PATH", help="write the results to PATH"
-    )
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch intra-op threads per rank (default 1)"
-    )
+    add_output_args(parser, quick="small model and few repetitions (CI smoke test)")
+    add_process_args(parser, per="rank", timeout_s=TIMEOUT_S)
     parser.add_argument(
         "--reps",
         type=int,
@@ -951,18 +945,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--virtual-nodes", type=int, default=4, help="V, split over the 2 ranks (default 4)"
     )
-    parser.add_argument(
-        "--batch-size", type=int, default=None, help="global batch B (default 128, 64 quick)"
-    )
-    parser.add_argument(
-        "--hidden", type=int, default=None, help="MLP width (default 1024, 512 quick)"
-    )
-    parser.add_argument(
-        "--layers",
-        type=int,
-        default=None,
-        help="hidden Linear layers (default 12, ~12.6 M params; 4 quick)",
-    )
+    add_mlp_args(parser)
     parser.add_argument(
         "--ddp-zero-grad",
         choices=["none", "zeros"],
@@ -970,25 +953,17 @@ def main(argv: list[str] | None = None) -> int:
         help="DDP's optimizer.zero_grad: set_to_none=False ('zeros', default: the faster "
         "here, see benchmarks/README.md) or True ('none')",
     )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        help="give up (and kill the ranks) after this many seconds (default 600, 120 quick)",
-    )
     args = parser.parse_args(argv)
-    for name in ("threads", "reps", "batch_size", "hidden", "layers"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.virtual_nodes < WORLD_SIZE:
-        raise SystemExit(f"--virtual-nodes must be >= {WORLD_SIZE} (one VN per rank at least)")
+    positive = ("threads", "reps", "batch_size", "hidden", "layers")
+    if problem := size_problem(args, processes=WORLD_SIZE, per="rank", positive=positive):
+        raise SystemExit(problem)
     quick = args.quick
+    mlp, batch_size = mlp_of(args)
     cfg = Config(
-        hidden=args.hidden or (512 if quick else 1024),
-        layers=args.layers or (4 if quick else 12),
+        hidden=mlp.hidden,
+        layers=mlp.layers,
         virtual_nodes=args.virtual_nodes,
-        batch_size=args.batch_size or (64 if quick else 128),
+        batch_size=batch_size,
         # DDP rebuilds its buckets in the second iteration's forward: keep it out.
         warmup=2 if quick else 3,
         reps=args.reps or (8 if quick else 40),
@@ -996,25 +971,21 @@ def main(argv: list[str] | None = None) -> int:
         ddp_set_to_none=args.ddp_zero_grad == "none",
         collective_timeout_s=60.0,
     )
-    if cfg.batch_size < cfg.virtual_nodes:
-        raise SystemExit(f"--batch-size {cfg.batch_size} < --virtual-nodes {cfg.virtual_nodes}")
-    timeout_s = args.timeout or (120.0 if quick else 600.0)
-
-    # The header's thread count is then the per-rank one.
-    apply_threads(cfg.threads)
-    env = environment(torch.device("cpu"))
-    env |= {"ranks": WORLD_SIZE, "backend": "gloo", "threads_per_rank": cfg.threads}
-    print_header(
+    session = open_process_session(
+        args,
         "vflow benchmark: Executor (default, deterministic ordered and exact) vs DDP + "
         "no_sync, 2 Gloo ranks on localhost",
-        env,
+        threads=cfg.threads,
+        ranks=WORLD_SIZE,
+        backend="gloo",
+        threads_per_rank=cfg.threads,
     )
     total_threads = WORLD_SIZE * cfg.threads
     print(
         f"{WORLD_SIZE} ranks x {cfg.threads} torch thread(s) (+ one Gloo thread each while "
         f"communicating) on {usable_cpus()} usable CPUs"
     )
-    busy = env["busy_cpus_at_start"]
+    busy = session.env["busy_cpus_at_start"]
     if busy is not None and busy + total_threads > usable_cpus() + 0.25:
         print(
             f"WARNING: {total_threads} rank threads + {busy:.2f} CPUs used by others exceed "
@@ -1024,8 +995,8 @@ def main(argv: list[str] | None = None) -> int:
         f"config: {json.dumps(asdict(cfg))}\noptimizer SGD(lr=0.01, momentum=0.9) for all methods",
         flush=True,
     )
-    record = run(cfg, timeout_s)
-    return finish_run(args.json, [record, *headline_records(record)], env)
+    record = run(cfg, TIMEOUT_S.of(args, "timeout"))
+    return session.finish([record, *headline_records(record)])
 
 
 # ---- Headline records for the suite's summary (vflow/bench/records.py) ----

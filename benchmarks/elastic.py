@@ -78,13 +78,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from _common import (
-    environment,
-    finish_run,
+    Default,
+    Mlp,
+    add_mlp_args,
+    add_output_args,
+    add_process_args,
     format_table,
     median,
-    print_header,
+    mlp_of,
+    open_process_session,
+    size_problem,
     usable_cpus,
 )
 
@@ -94,6 +98,7 @@ from vflow.elastic import LEAVE, WAITING
 
 WORKER = Path(__file__).resolve().with_name("_elastic_worker.py")
 WORKERS = 2
+TIMEOUT_S = Default(full=1200.0, quick=240.0)
 TARGET_RATIO = 0.2  # vflow event / restart path
 TARGET_SHRINK_S = 1.0  # after detection
 POLL_S = 0.02  # the benchmark's log and process poll: its "agent" reacts this fast
@@ -126,12 +131,8 @@ class Config:
     wait_s: float
 
     @property
-    def model(self) -> str:
-        return f"mlp {self.layers}x{self.hidden}"
-
-    def params(self) -> int:
-        h = self.hidden
-        return self.layers * (h * h + h) + h * 10 + 10
+    def mlp(self) -> Mlp:
+        return Mlp(self.hidden, self.layers)
 
 
 class BenchError(RuntimeError):
@@ -697,8 +698,8 @@ def summarise(cfg: Config, repeats: int, chains: Sequence[ChainResult]) -> dict[
     saves = [s for c in chains for s in c.saves_s]
     return {
         "benchmark": "elastic",
-        "model": cfg.model,
-        "params": cfg.params(),
+        "model": cfg.mlp.name,
+        "params": cfg.mlp.params,
         "workers": WORKERS,
         "repeats": repeats,
         "config": asdict(cfg),
@@ -947,27 +948,12 @@ def measure(cfg: Config, repeats: int, folder: Path, deadline: float) -> list[Ch
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--quick", action="store_true", help="1 repetition, small model (CI smoke test)"
-    )
-    parser.add_argument(
-        "--json", type=Path, default=None, metavar="PATH", help="write the results to PATH"
-    )
+    add_output_args(parser, quick="1 repetition, small model (CI smoke test)")
+    add_process_args(parser, per="worker", timeout_s=TIMEOUT_S)
     parser.add_argument(
         "--repeats", type=int, default=None, help="repetitions of both chains (default 3, 1 quick)"
     )
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch intra-op threads per worker (default 1)"
-    )
-    parser.add_argument(
-        "--hidden", type=int, default=None, help="MLP width (default 1024, 512 quick)"
-    )
-    parser.add_argument(
-        "--layers", type=int, default=None, help="hidden Linear layers (default 12, 4 quick)"
-    )
-    parser.add_argument(
-        "--batch-size", type=int, default=None, help="global batch B (default 128, 64 quick)"
-    )
+    add_mlp_args(parser)
     parser.add_argument("--virtual-nodes", type=int, default=4, help="V (default 4)")
     parser.add_argument("--deterministic", action="store_true", help="deterministic=True executors")
     parser.add_argument(
@@ -1023,14 +1009,8 @@ def main(argv: list[str] | None = None) -> int:
         help=f"the vflow job's max_workers (default {WORKERS}: a round of {WORKERS} "
         "completes without waiting for the last call)",
     )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        help="give up (and kill every worker) after this many seconds (default 1200, 240 quick)",
-    )
     args = parser.parse_args(argv)
-    for name in (
+    positive = (
         "repeats",
         "threads",
         "hidden",
@@ -1040,19 +1020,16 @@ def main(argv: list[str] | None = None) -> int:
         "settle",
         "warmup",
         "keep_alive_attempts",
-    ):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.virtual_nodes < WORKERS:
-        parser.error(f"--virtual-nodes must be >= {WORKERS} (one VN per worker at least)")
+    )
+    if problem := size_problem(args, processes=WORKERS, per="worker", positive=positive):
+        parser.error(problem)
     if args.max_workers < WORKERS:
         parser.error(f"--max-workers must be >= {WORKERS}")
-    quick = args.quick
+    mlp, batch_size = mlp_of(args)
     cfg = Config(
-        hidden=args.hidden or (512 if quick else 1024),
-        layers=args.layers or (4 if quick else 12),
-        batch_size=args.batch_size or (64 if quick else 128),
+        hidden=mlp.hidden,
+        layers=mlp.layers,
+        batch_size=batch_size,
         virtual_nodes=args.virtual_nodes,
         threads=args.threads,
         deterministic=args.deterministic,
@@ -1066,22 +1043,19 @@ def main(argv: list[str] | None = None) -> int:
         max_workers=args.max_workers,
         wait_s=120.0,
     )
-    if cfg.batch_size < cfg.virtual_nodes:
-        parser.error(f"--batch-size {cfg.batch_size} < --virtual-nodes {cfg.virtual_nodes}")
-    repeats = args.repeats or (1 if quick else 3)
-    timeout_s = args.timeout or (240.0 if quick else 1200.0)
-
-    torch.set_num_threads(cfg.threads)  # the header's thread count is then the per-worker one
-    env = environment(torch.device("cpu"))
-    env |= {"workers": WORKERS, "backend": "gloo", "threads_per_worker": cfg.threads}
-    print_header(
+    repeats = args.repeats or (1 if args.quick else 3)
+    session = open_process_session(
+        args,
         "vflow benchmark: elastic events (vflow.elastic.ElasticJob) vs stop + restart from a "
         "checkpoint, 2 Gloo workers on localhost",
-        env,
+        threads=cfg.threads,
+        workers=WORKERS,
+        backend="gloo",
+        threads_per_worker=cfg.threads,
     )
     print(
         f"{WORKERS} worker processes x {cfg.threads} torch thread(s) on {usable_cpus()} usable "
-        f"CPUs; model {cfg.model} ({cfg.params():,} parameters), V = {cfg.virtual_nodes}, "
+        f"CPUs; model {cfg.mlp.name} ({cfg.mlp.params:,} parameters), V = {cfg.virtual_nodes}, "
         f"B = {cfg.batch_size}, SGD(lr=0.01, momentum=0.9), deterministic={cfg.deterministic}"
     )
     print(
@@ -1097,7 +1071,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{repeats} repetition(s)",
         flush=True,
     )
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + TIMEOUT_S.of(args, "timeout")
     with tempfile.TemporaryDirectory(prefix="vflow-elastic-") as tmp:
         folder = args.keep_logs or Path(tmp)
         try:
@@ -1106,7 +1080,7 @@ def main(argv: list[str] | None = None) -> int:
         except BenchError as e:
             raise SystemExit(f"benchmark failed: {e}") from None
     print_results(record)
-    return finish_run(args.json, [record, *headline_records(record)], env)
+    return session.finish([record, *headline_records(record)])
 
 
 if __name__ == "__main__":

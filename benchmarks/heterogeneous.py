@@ -27,11 +27,10 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from _common import environment, finish_run, format_table, median, print_header, usable_cpus
+from _common import add_output_args, format_table, median, open_process_session, usable_cpus
 
 import vflow
 from vflow.bench import records as bench_records
@@ -388,8 +387,7 @@ def headline_records(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small model, few steps (CI smoke)")
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH")
+    add_output_args(parser, quick="small model, few steps (CI smoke)")
     parser.add_argument(
         "--virtual-nodes",
         type=int,
@@ -415,11 +413,13 @@ def main(argv: list[str] | None = None) -> int:
         # The three runs together stay under run.py's limits (300 s quick, 1200 s full).
         rank_timeout_s=80 if quick else 350,
     )
-    torch.set_num_threads(1)
-    env = environment(torch.device("cpu"))
-    env |= {"backend": "gloo", "threads_per_rank": 1, "emulated": True}
-    print_header(
-        "vflow benchmark: heterogeneous workers, even vs auto plan vs limit (emulated)", env
+    session = open_process_session(
+        args,
+        "vflow benchmark: heterogeneous workers, even vs auto plan vs limit (emulated)",
+        threads=1,
+        backend="gloo",
+        threads_per_rank=1,
+        emulated=True,
     )
     print(f"{usable_cpus()} usable CPUs; config: {json.dumps(asdict(cfg))}", flush=True)
     results = {
@@ -428,9 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         "straggler": straggler(cfg),
     }
     print_results(results)
-    return finish_run(
-        args.json, [{"benchmark": "heterogeneous", **results}, *headline_records(results)], env
-    )
+    return session.finish([{"benchmark": "heterogeneous", **results}, *headline_records(results)])
 
 
 if __name__ == "__main__":

@@ -37,19 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import (
-    add_common_args,
-    apply_threads,
-    environment,
-    finish_run,
-    fmt_ms,
-    format_table,
-    iqr,
-    median,
-    pick_device,
-    print_header,
-    synchronize,
-)
+from _common import add_common_args, fmt_ms, format_table, iqr, median, open_session, synchronize
 from torch import nn
 
 import vflow
@@ -239,15 +227,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.virtual_nodes < 2:
         parser.error("--virtual-nodes must be >= 2 (one VN has nothing to prefetch)")
-    apply_threads(args.threads if args.threads is not None else 1)
-    device = pick_device(args.device)
     quick = args.quick
     reps = args.reps or (4 if quick else 15)
     warmup = 1 if quick else 2
     batch_size = 64 * args.virtual_nodes if quick else 128 * args.virtual_nodes
     width, depth = (256, 2) if quick else (512, 4)
-    env = environment(device)
-    print_header("vflow benchmark: VN prefetching against a data path of known cost", env)
+    session = open_session(
+        args, "vflow benchmark: VN prefetching against a data path of known cost", threads=1
+    )
+    device = session.device
 
     # The compute per VN sets the default loads; measured once up front.
     probe = measure(
@@ -298,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind in kinds:
         of_kind = [r for r in records if r["load_kind"] == kind]
         headlines += [
-            {**headline_of(r, i, len(of_kind)), "env": env} for i, r in enumerate(of_kind)
+            {**headline_of(r, i, len(of_kind)), "env": session.env} for i, r in enumerate(of_kind)
         ]
     rows = []
     for r, h in zip(records, headlines, strict=True):
@@ -343,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             rows,
         )
     )
-    return finish_run(args.json, records + headlines, env)
+    return session.finish(records + headlines)
 
 
 if __name__ == "__main__":

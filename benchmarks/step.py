@@ -30,18 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import (
-    add_common_args,
-    apply_threads,
-    environment,
-    finish_run,
-    fmt_ms,
-    format_table,
-    median,
-    pick_device,
-    print_header,
-    synchronize,
-)
+from _common import Mlp, add_common_args, fmt_ms, format_table, median, open_session, synchronize
 from torch import nn
 
 import vflow
@@ -52,6 +41,7 @@ from vflow.runtime.clock import StepClock
 TARGET_RATIO = 1.05  # vflow step time / hand loop step time, printed (not asserted)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+MLP = Mlp(hidden=1024, layers=4)
 
 
 def cross_entropy(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -68,13 +58,6 @@ class ModelSpec:
     virtual_nodes: tuple[int, ...]  # unless --vns says otherwise
     # Steps are short and noisy: more repetitions for the same confidence.
     reps_factor: int = 1
-
-
-def mlp(width: int = 1024, depth: int = 4, classes: int = 10) -> nn.Module:
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(width, classes))
 
 
 def mlp_batch(b: int, gen: torch.Generator, device: torch.device) -> Batch:
@@ -289,16 +272,12 @@ def main(argv: list[str] | None = None) -> int:
         help="tiny: a 16-wide MLP whose compute is negligible, to measure the fixed cost of a step",
     )
     args = parser.parse_args(argv)
-    apply_threads(args.threads)
-    device = pick_device(args.device)
     reps = args.reps or (3 if args.quick else 40)
     steps_per_rep = args.steps_per_rep or 1
     warmup = 1 if args.quick else 2
-
-    env = environment(device)
-    print_header("vflow benchmark: Executor.step vs hand-written accumulation", env)
+    session = open_session(args, "vflow benchmark: Executor.step vs hand-written accumulation")
     specs = {
-        "mlp": ModelSpec("mlp 4x1024", mlp, mlp_batch, 256, (1, 4, 8)),
+        "mlp": ModelSpec(MLP.name, MLP.build, mlp_batch, 256, (1, 4, 8)),
         "cnn": ModelSpec("cnn 3xconv+BN", cnn, cnn_batch, 64, (1, 4, 8)),
         "tiny": ModelSpec("tiny mlp 16", tiny, tiny_batch, 64, (1, 8, 32), reps_factor=10),
     }
@@ -317,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                 bench_config(
                     spec,
                     v,
-                    device,
+                    session.device,
                     warmup=warmup * spec.reps_factor,
                     reps=reps * spec.reps_factor,
                     steps_per_rep=steps_per_rep,
@@ -381,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             f"  MISSED {r['model']} V={r['virtual_nodes']}: ratio {r['ratio']:.3f} "
             f"(+{fmt_ms(r['extra_s'])} ms per step, median over batches)"
         )
-    return finish_run(args.json, records + headline_records(records), env)
+    return session.finish(records + headline_records(records))
 
 
 # ---- Headline records for the suite's summary (vflow/bench/records.py) ----

@@ -5,7 +5,8 @@ and the reporting every benchmark shares.
 the one place their ratios and verdicts are computed, ``summary`` prints and stores the
 result, and ``table`` is the one plain-text table formatter (the demo's tables too).
 The suite runner of a source checkout (``benchmarks/run.py``) uses the same records
-and summary for the scripts of benchmarks/.
+and summary for the scripts of benchmarks/, and those scripts time their methods and
+describe the machine with ``kernels``' helpers.
 
 May import: nothing of vflow's rooms; only the top level (the extension, the ops, the
 version), so that it measures the installed kernels without the runtime.

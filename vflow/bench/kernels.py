@@ -39,7 +39,15 @@ from vflow._version import __version__
 from vflow.bench.records import copy_limit_note, headline, measurement, target
 from vflow.bench.table import format_table
 
-__all__ = ["Settings", "environment", "gradient_sizes", "run"]
+__all__ = [
+    "Settings",
+    "cpu_name",
+    "environment",
+    "gradient_sizes",
+    "run",
+    "time_blocks",
+    "usable_cpus",
+]
 
 # The weight of one of 8 equal VNs: a power of two, so the fused kernel and add_ compute
 # bit-identical products and the correctness check can ask for equality.
@@ -86,19 +94,15 @@ def gradient_sizes(numel: int, tensors: int) -> list[int]:
 
 def environment(device: torch.device) -> dict[str, Any]:
     """What the results depend on, printed first and stored with every record."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        usable = os.cpu_count() or 1
     env: dict[str, Any] = {
         "torch": torch.__version__,
         "torch_built_against": _C.torch_version,
         "vflow": __version__,
         "python": platform.python_version(),
         "device": str(device),
-        "device_name": _cpu_name(),
+        "device_name": cpu_name(),
         "cpu_count": os.cpu_count(),
-        "cpu_affinity": usable,
+        "cpu_affinity": usable_cpus(),
         "torch_threads": torch.get_num_threads(),
         "vflow_cpu_vector_path": _C.cpu_vector_path(),
         "vflow_built_with_cuda": _C.built_with_cuda(),
@@ -109,13 +113,50 @@ def environment(device: torch.device) -> dict[str, Any]:
     return env
 
 
-def _cpu_name() -> str:
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
     except OSError:
         names = []
     return names[0] if names else platform.processor() or platform.machine()
+
+
+def time_blocks(
+    fn: Callable[[], object],
+    device: torch.device,
+    *,
+    min_run_time: float,
+    num_threads: int | None = None,
+    label: str = "",
+    description: str = "",
+) -> list[float]:
+    """Seconds per call of ``fn``, one value per block of torch's blocked_autorange.
+
+    Callers pool the blocks of several calls (taken in rounds, interleaved with the
+    other methods) and report the median, so slow drift on a shared machine hits every
+    method alike.
+    """
+    timer = tbench.Timer(
+        stmt="fn()",
+        globals={"fn": fn},
+        label=label,
+        description=description,
+        # Timer defaults to one thread; benchmark what users run.
+        num_threads=torch.get_num_threads() if num_threads is None else num_threads,
+        # Timer's default clock synchronises the accelerator; a CPU run need not pay it.
+        **({} if device.type == "cuda" else {"timer": timeit.default_timer}),
+    )
+    return list(timer.blocked_autorange(min_run_time=min_run_time).times)
 
 
 def _timed_blocks(
@@ -126,14 +167,7 @@ def _timed_blocks(
     names = list(methods)
     for r in range(settings.rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            timer = tbench.Timer(
-                "fn()",
-                globals={"fn": methods[name]},
-                num_threads=torch.get_num_threads(),
-                # The default timer synchronises CUDA; a CPU run need not pay for it.
-                **({} if device.type == "cuda" else {"timer": timeit.default_timer}),
-            )
-            times[name] += timer.blocked_autorange(min_run_time=settings.min_run_time).times
+            times[name] += time_blocks(methods[name], device, min_run_time=settings.min_run_time)
     return times
 
 
