@@ -112,8 +112,16 @@ class Crash:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rdzv", required=True)
-    parser.add_argument("--job", required=True)
+    elastic.add_job_arguments(
+        parser,
+        "min_workers",
+        "max_workers",
+        "timeout_s",
+        "last_call_s",
+        "keep_alive_s",
+        "keep_alive_attempts",
+        join_timeout_s=120.0,
+    )
     parser.add_argument("--log", required=True)
     parser.add_argument("--hidden", type=int, required=True)
     parser.add_argument("--layers", type=int, required=True)
@@ -122,13 +130,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--steps", type=int, default=10**9)
-    parser.add_argument("--min-workers", type=int, required=True)
-    parser.add_argument("--max-workers", type=int, required=True)
-    parser.add_argument("--timeout", type=float, required=True)
-    parser.add_argument("--join-timeout", type=float, default=120.0)
-    parser.add_argument("--last-call", type=float, required=True)
-    parser.add_argument("--keep-alive", type=float, required=True)
-    parser.add_argument("--keep-alive-attempts", type=int, required=True)
+    # The restart role's vflow.save file, not ElasticJob's checkpoint (no flag here).
     parser.add_argument("--checkpoint")
     parser.add_argument("--checkpoint-every", type=int, default=10)
     return parser.parse_args(argv)
@@ -202,17 +204,7 @@ def main(argv: list[str]) -> int:
             log.write(saved=time.time(), step_count=ex.step_count, seconds=time.time() - start)
         return result
 
-    job = elastic.ElasticJob(
-        args.rdzv,
-        args.job,
-        min_workers=args.min_workers,
-        max_workers=args.max_workers,
-        timeout_s=args.timeout,
-        join_timeout_s=args.join_timeout,
-        last_call_s=args.last_call,
-        keep_alive_s=args.keep_alive,
-        keep_alive_attempts=args.keep_alive_attempts,
-    )
+    job = elastic.job_from_args(args)
     job.run(make_executor, train_step, args.steps)
     log.write(events=[e.__dict__ for e in job.events], end=time.time())
     return 0

@@ -54,7 +54,7 @@ import torch
 
 import vflow
 from vflow.demo import accuracy, cross_entropy, load_digits_split, make_model
-from vflow.elastic import ElasticJob
+from vflow.elastic import add_job_arguments, job_from_args
 from vflow.world.group import use_loopback_for_gloo
 
 _log = logging.getLogger("train_elastic")
@@ -64,8 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rdzv", required=True, help="HOST:PORT of python -m vflow rendezvous")
-    parser.add_argument("--job", required=True, help="job id; every worker of a job passes it")
+    # --rdzv, --job and the job's options; max_workers is --virtual-nodes (every worker
+    # needs at least one VN; more wait until one leaves).
+    add_job_arguments(parser, timeout_s=30.0, min_workers=1, checkpoint=None)
     parser.add_argument("--steps", type=int, required=True, help="global steps of the job")
     parser.add_argument(
         "--virtual-nodes", type=int, default=8, help="V, also the most workers (default 8)"
@@ -95,18 +96,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="stop sleeping once this worker has seen this many changes of the worker set "
         "(default 0: sleep before every step)",
     )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=30.0,
-        help="seconds a collective may take: how long a hung worker stalls the others",
-    )
-    parser.add_argument(
-        "--min-workers", type=int, default=1, help="the job stops below this many workers"
-    )
-    parser.add_argument(
-        "--checkpoint", default=None, help="written when the job stops for too few workers"
-    )
     parser.add_argument("--log-every", type=int, default=10, help="rank 0 logs the loss (steps)")
     parser.add_argument("--log", default=None, help="append one JSON line per step here")
     args = parser.parse_args(argv)
@@ -125,8 +114,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"{flag} must be >= 1, got {value}")
     if not args.sleep >= 0 or args.sleep_until_changes < 0:
         parser.error("--sleep and --sleep-until-changes must be >= 0")
-    if not args.timeout > 0:
-        parser.error(f"--timeout must be > 0, got {args.timeout}")
     if not 1 <= args.min_workers <= args.virtual_nodes:
         parser.error(f"--min-workers must be in 1..--virtual-nodes, got {args.min_workers}")
     return args
@@ -138,15 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     use_loopback_for_gloo()
     torch.set_num_threads(args.threads)
     x_train, y_train, x_test, y_test = load_digits_split(args.seed)
-    job = ElasticJob(
-        args.rdzv,
-        args.job,
-        min_workers=args.min_workers,
-        # Every worker needs at least one VN; more wait until one leaves.
-        max_workers=args.virtual_nodes,
-        timeout_s=args.timeout,
-        checkpoint=args.checkpoint,
-    )
+    job = job_from_args(args, max_workers=args.virtual_nodes)
     log_file: TextIO | None = open(args.log, "a", buffering=1) if args.log else None
 
     def make_executor(group: Any, timeout: float) -> vflow.Executor:
@@ -212,13 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         if log_file is not None:
             log_file.close()
     if ex is None:
-        _log.info("job %r had finished before this worker could join; nothing to do", args.job)
+        _log.info("job %r had finished before this worker could join; nothing to do", args.job_id)
         return 0
     try:
         # A worker that left on the job's last step also has step_count == steps: only
         # the workers that saw the job finish are at its end.
         if not job.events or job.events[-1].reason != "finish":
-            _log.info("left job %r at step %d of %d", args.job, ex.step_count, args.steps)
+            _log.info("left job %r at step %d of %d", args.job_id, ex.step_count, args.steps)
         elif ex.rank == 0:
             _log.info(
                 "test accuracy %.4f after %d steps",

@@ -1,5 +1,5 @@
 """vflow.elastic.rendezvous: the store process (``python -m vflow rendezvous``), endpoints and
-the groups of a round. The rounds themselves run in tests/test_elastic.py."""
+the groups of a round. The rounds themselves run in tests/elastic/test_job.py."""
 
 from __future__ import annotations
 

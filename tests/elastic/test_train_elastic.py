@@ -1,18 +1,23 @@
-"""examples/train_elastic.py as a user runs it: one job that grows (A, then B joins),
-loses B to SIGKILL and gains C ends with an ``--out`` file bitwise equal to the same
-flags run alone on one worker. The store and every worker are subprocesses; every wait
-is bounded and every process is killed at the end."""
+"""examples/train_elastic.py as a user runs it: the README's lines ("### Elastic jobs"),
+as written but for the port and the ``--out`` path, start the store and a worker; the
+same line started again adds a worker, which then dies of SIGKILL, and once more adds
+another. The job ends with an ``--out`` file bitwise equal to the same line run alone
+under another job id. The store and every worker are subprocesses; every wait is bounded
+and every process is killed at the end."""
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import select
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +32,12 @@ if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("needs torch.distributed with Gloo", allow_module_level=True)
 
 SCRIPT = REPO_ROOT / "examples" / "train_elastic.py"
+README = REPO_ROOT / "README.md"
 REQUIRED = ("--rdzv", "--job", "--steps", "--virtual-nodes", "--seed", "--deterministic", "--out")
-STEPS = 200
-# A sleeps this long before each step until it has seen the scenario's three changes
-# (grow, crash, grow), so that B and C join long before the job's end on a loaded
-# machine; the rest of the steps run at full speed.
-SLEEP = "0.3"
+README_PORT = "29400"
 WAIT_S = 90.0
+# One line per change of the worker set (ElasticJob's log, Note [Elastic state machine]).
+EVENT = re.compile(r"vflow elastic: step (\d+), round \d+, (\d+) worker\(s\), (\w+), [\d.]+ s$")
 
 
 def _env() -> dict[str, str]:
@@ -44,91 +48,106 @@ def _env() -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def rendezvous() -> Iterator[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vflow", "rendezvous", "--port", "0"],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=_env(),
-    )
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        assert ready, "python -m vflow rendezvous printed no address within 60 s"
-        endpoint = proc.stdout.readline().strip()  # type: ignore[union-attr]
-        assert endpoint.startswith("127.0.0.1:"), endpoint
-        yield endpoint
-    finally:
-        proc.terminate()
+def _readme_lines() -> tuple[list[str], list[str]]:
+    """The store's and the worker's command lines of README.md's "### Elastic jobs", as
+    words."""
+    text = README.read_text(encoding="utf-8")
+    section = re.search(r"^### Elastic jobs\n(.*?)(?=^##)", text, re.MULTILINE | re.DOTALL)
+    assert section, "README.md has no '### Elastic jobs' section"
+    block = re.search(r"^```bash\n(.*?)^```", section.group(1), re.MULTILINE | re.DOTALL)
+    assert block, "README.md's '### Elastic jobs' shows no bash block"
+    commands = [shlex.split(line, comments=True) for line in block.group(1).splitlines()]
+    commands = [words[:-1] if words[-1:] == ["&"] else words for words in commands if words]
+    store = [w for w in commands if w[1:4] == ["-m", "vflow", "rendezvous"]]
+    worker = [w for w in commands if "examples/train_elastic.py" in w]
+    assert len(store) == 1 and len(worker) == 1, commands
+    return store[0], worker[0]
+
+
+def _as_here(words: list[str], port: int, **replace: str) -> list[str]:
+    """``words`` with the README's port replaced by ``port`` and the value of each flag
+    in ``replace`` (``out="..."`` for ``--out``) by the given one; the README's
+    interpreter (.venv/bin/python) unless this checkout has none."""
+    words = [w.replace(README_PORT, str(port)) for w in words]
+    assert any(str(port) in w for w in words), f"the README's port {README_PORT} not in {words}"
+    for flag, value in replace.items():
+        index = words.index(f"--{flag}")  # a README line without it is out of date
+        words[index + 1] = value
+    if not (REPO_ROOT / words[0]).exists():
+        words[0] = sys.executable
+    return words
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def _readme_store(words: list[str]) -> Iterator[int]:
+    """The README's store line, on a free port (another one if that was taken)."""
+    for _ in range(3):
+        port = _free_port()
+        proc = subprocess.Popen(
+            _as_here(words, port), cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, env=_env()
+        )
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+            ready, _, _ = select.select([proc.stdout], [], [], 60)
+            assert ready, "python -m vflow rendezvous printed nothing within 60 s"
+            endpoint = proc.stdout.readline().strip()  # type: ignore[union-attr]
+            if endpoint == f"127.0.0.1:{port}":
+                yield port
+                return
+            assert proc.wait(timeout=30) != 0, endpoint  # the port was taken meanwhile
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=30)
+    raise AssertionError("python -m vflow rendezvous found no free port in 3 tries")
 
 
 class Workers:
-    """Processes of examples/train_elastic.py, each with a log and stderr file."""
+    """Processes of the README's worker line, each with a stderr file (the example logs
+    there)."""
 
-    def __init__(self, endpoint: str, tmp: Path) -> None:
-        self.endpoint, self.tmp = endpoint, tmp
+    def __init__(self, words: list[str], port: int, tmp: Path) -> None:
+        self.words, self.port, self.tmp = words, port, tmp
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, name: str, job: str, out: Path, *extra: str) -> None:
-        args = [
-            sys.executable,
-            str(SCRIPT),
-            "--rdzv",
-            self.endpoint,
-            "--job",
-            job,
-            "--steps",
-            str(STEPS),
-            "--virtual-nodes",
-            "8",
-            "--seed",
-            "0",
-            "--deterministic",
-            "--out",
-            str(out),
-            "--log",
-            str(self.log(name)),
-            *extra,
-        ]
+    def start(self, name: str, **replace: str) -> None:
         with (self.tmp / f"{name}.err").open("wb") as err:
             self.procs[name] = subprocess.Popen(
-                args, env=_env(), stdout=subprocess.DEVNULL, stderr=err
+                _as_here(self.words, self.port, **replace),
+                cwd=REPO_ROOT,
+                env=_env(),
+                stdout=subprocess.DEVNULL,
+                stderr=err,
             )
 
-    def log(self, name: str) -> Path:
-        return self.tmp / f"{name}.log"
-
-    def lines(self, name: str) -> list[dict[str, Any]]:
-        if not self.log(name).exists():
-            return []
-        # The last line may be half-written while the worker runs.
-        text = self.log(name).read_text()
-        return [json.loads(line) for line in text.split("\n")[:-1] if line]
-
-    def steps(self, name: str) -> list[dict[str, Any]]:
-        return [line for line in self.lines(name) if "step" in line and "events" not in line]
-
-    def end(self, name: str) -> dict[str, Any]:
-        ends = [line for line in self.lines(name) if "events" in line]
-        assert ends, f"{name} wrote no last line:\n{self.stderr(name)}"
-        return ends[-1]
-
     def stderr(self, name: str) -> str:
-        return (self.tmp / f"{name}.err").read_text()[-4000:]
+        return (self.tmp / f"{name}.err").read_text(encoding="utf-8", errors="replace")
 
-    def wait_for(self, name: str, what: str, done: Any) -> None:
-        """Polls ``done(step lines of name)`` until true, for at most WAIT_S."""
+    def events(self, name: str) -> list[tuple[int, int, str]]:
+        """(step, workers, reason) of each change of the worker set the worker logged."""
+        return [
+            (int(m[1]), int(m[2]), m[3])
+            for line in self.stderr(name).splitlines()
+            if (m := EVENT.search(line))
+        ]
+
+    def wait_for(self, name: str, what: str, done: Callable[[list[Any]], bool]) -> None:
+        """Polls ``done(events of name)`` until true, for at most WAIT_S."""
         deadline = time.monotonic() + WAIT_S
-        while not done(self.steps(name)):
+        while not done(self.events(name)):
             if self.procs[name].poll() is not None:
-                raise AssertionError(f"{name} ended before {what}:\n{self.stderr(name)}")
+                raise AssertionError(f"{name} ended before {what}:\n{self.stderr(name)[-4000:]}")
             if time.monotonic() > deadline:
-                raise AssertionError(f"no {what} within {WAIT_S:g} s:\n{self.stderr(name)}")
+                raise AssertionError(f"no {what} within {WAIT_S:g} s:\n{self.stderr(name)[-4000:]}")
             time.sleep(0.05)
 
     def wait(self, names: list[str], timeout: float) -> dict[str, int]:
@@ -145,17 +164,12 @@ class Workers:
                 proc.wait(timeout=30)
 
 
-def _runs(counts: list[int]) -> list[int]:
-    """Worker counts with repeats collapsed: [1, 1, 2, 2, 1] -> [1, 2, 1]."""
-    return [c for i, c in enumerate(counts) if i == 0 or counts[i - 1] != c]
-
-
-def _alone_again(steps: list[dict[str, Any]]) -> bool:
-    return _runs([x["workers"] for x in steps])[-2:] == [2, 1]
+def _reasons(events: list[tuple[int, int, str]]) -> list[str]:
+    return [reason for _, _, reason in events]
 
 
 def _assert_bitwise_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
-    assert got["step"] == want["step"] == STEPS
+    assert got["step"] == want["step"]
     assert got["model"].keys() == want["model"].keys()
     for key, value in want["model"].items():
         assert torch.equal(got["model"][key], value), f"model {key} differs"
@@ -183,35 +197,41 @@ def test_help_lists_the_required_flags() -> None:
 
 
 @pytest.mark.slow
-def test_grow_crash_and_grow_again_end_bitwise_as_one_worker(
-    rendezvous: str, tmp_path: Path
-) -> None:
-    workers = Workers(rendezvous, tmp_path)
-    job, out, alone = f"grow{os.getpid()}", tmp_path / "out.pt", tmp_path / "alone.pt"
-    try:
-        # The one-worker run under another job id on the same store, meanwhile.
-        workers.start("alone", f"alone{os.getpid()}", alone)
-        workers.start("a", job, out, "--sleep", SLEEP, "--sleep-until-changes", "3")
-        workers.wait_for("a", "2 steps of A", lambda s: len(s) >= 2)
-        workers.start("b", job, out)
-        workers.wait_for("b", "3 steps of B", lambda s: len(s) >= 3)
-        workers.procs["b"].kill()
-        assert workers.procs["b"].wait(timeout=30) == -signal.SIGKILL
-        # C starts once A trains alone again, so that it joins a running job rather
-        # than the recovery round.
-        workers.wait_for("a", "a step of A alone after B", _alone_again)
-        workers.start("c", job, out)
-        codes = workers.wait(["a", "c", "alone"], timeout=120)
-        assert codes == {"a": 0, "c": 0, "alone": 0}, workers.stderr("a") + workers.stderr("c")
-    finally:
-        workers.kill_all()
+def test_the_readme_lines_grow_crash_and_grow_again_bitwise_as_one_worker(tmp_path: Path) -> None:
+    store, worker = _readme_lines()
+    steps = int(worker[worker.index("--steps") + 1])
+    out, alone = tmp_path / "final.pt", tmp_path / "alone.pt"
+    with _readme_store(store) as port:
+        workers = Workers(worker, port, tmp_path)
+        try:
+            # The same line alone under another job id, meanwhile: the reference.
+            workers.start("alone", job="alone", out=str(alone))
+            workers.start("a", out=str(out))
+            workers.wait_for("a", "A training", lambda e: "start" in _reasons(e))
+            workers.start("b", out=str(out))
+            workers.wait_for("a", "B joining", lambda e: "grow" in _reasons(e))
+            workers.procs["b"].kill()
+            assert workers.procs["b"].wait(timeout=30) == -signal.SIGKILL
+            # C starts once A trains alone again, so that it joins a running job rather
+            # than the recovery round.
+            workers.wait_for("a", "A going on without B", lambda e: "crash" in _reasons(e))
+            workers.start("c", out=str(out))
+            codes = workers.wait(["a", "c", "alone"], timeout=120)
+            assert codes == {"a": 0, "c": 0, "alone": 0}, workers.stderr("a")[-4000:]
+        finally:
+            workers.kill_all()
 
-    a_steps = workers.steps("a")
-    assert [x["step"] for x in a_steps] == list(range(STEPS))  # each step once on A
-    assert _runs([x["workers"] for x in a_steps]) == [1, 2, 1, 2]
-    assert all(x["workers"] == 2 for x in workers.steps("b") + workers.steps("c"))
-    assert workers.steps("c") and workers.end("c")["step"] == STEPS
-    reasons = [e["reason"] for e in workers.end("a")["events"]]
-    assert reasons == ["start", "grow", "crash", "grow", "finish"], reasons
-    assert _runs([x["workers"] for x in workers.steps("alone")]) == [1]
+    a = workers.events("a")
+    assert _reasons(a) == ["start", "grow", "crash", "grow", "finish"], a
+    assert [n for _, n, _ in a] == [1, 2, 1, 2, 2], a
+    assert a[-1][0] == steps
+    assert workers.events("c") == [(a[3][0], 2, "start"), (steps, 2, "finish")]
+    assert workers.events("alone") == [(0, 1, "start"), (steps, 1, "finish")]
+    # A says what happened to B and what the job did, calmly, without the raw error.
+    crashed_at = a[2][0]
+    log = workers.stderr("a")
+    assert f"vflow elastic: worker lost during step {crashed_at}; re-forming the worker set" in log
+    assert f"vflow elastic: redoing step {crashed_at} with 1 worker (1 lost)" in log
+    assert "vflow step" not in log and "Connection" not in log and "timeout" not in log
     _assert_bitwise_equal(torch.load(out, weights_only=True), torch.load(alone, weights_only=True))
+    assert torch.load(out, weights_only=True)["step"] == steps

@@ -1,11 +1,11 @@
-"""One worker of the elastic tests (tests/test_elastic.py): a small MLP on a fixed
+"""One worker of the elastic tests (tests/elastic/test_job.py): a small MLP on a fixed
 synthetic dataset, trained by ``vflow.elastic.ElasticJob``, with fault points to kill or
 stop itself at an exact place of a step.
 
-    python tests/elastic_worker.py --rdzv HOST:PORT --job ID --steps N --log FILE
+    python tests/support/elastic_worker.py --rdzv HOST:PORT --job ID --steps N --log FILE
         [--out FILE] [--deterministic] [--workers K] [--sleep SECONDS]
         [--fault POINT --fault-step S] [--leave-step S] [--sigterm-step S]
-        [--min-workers K] [--timeout S] [--checkpoint FILE]
+        [--min-workers K] [--timeout S] [--last-call S] [--checkpoint FILE]
 
 Until this worker has seen ``--workers`` workers in its worker set, it sleeps
 ``--sleep`` seconds per step, so that the others can join before the job ends; from
@@ -13,11 +13,17 @@ then on it runs at full speed. ``--fault-step``, ``--leave-step`` and
 ``--sigterm-step`` count the steps this worker has run since (0: the first), so that a
 fault always hits a worker set of the intended size. Fault points: start (before
 the step's first forward), middle-backward (in the backward of this worker's middle
-VN), allreduce (late in the last VN's backward, with buckets of the later layers
-already reducing), finalize (waiting for the reduction), optimizer (in
-optimizer.step), recovery (inside the first round after a crash), receiving (a
+VN; like start, before this worker took part in any collective of the step), stats
+(first thing in the last VN's backward: the step's statistics all-reduce has started,
+no gradient bucket has), allreduce (late in the last VN's backward, with buckets of
+the later layers already reducing), finalize (waiting for the reduction), optimizer
+(in optimizer.step), recovery (inside the first round after a crash), receiving (a
 joiner, while it loads the state sent to it); ``--fault-signal``: SIGKILL (default)
 or SIGSTOP.
+
+stderr gets the ``vflow`` logger from DEBUG up and everything else from WARNING up, as
+``LEVEL name: message``, so that the tests can check what a recovery logs at which
+level.
 
 The log file gets one JSON line per committed step ({"step", "rank", "workers",
 "indices"}) and a last line {"events": [...], "step": ...}. The lowest-ranked worker
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -90,6 +97,10 @@ def make_loss(faults: Faults):
         if position == faults.vns_here // 2 and faults.vns_here > 1:
             out.register_hook(lambda g: (faults.hit("middle-backward"), g)[1])
         if position == faults.vns_here - 1:
+            # The output's gradient comes first in backward: the statistics all-reduce
+            # started after this VN's forward, and no parameter gradient (so no bucket)
+            # exists yet.
+            out.register_hook(lambda g: (faults.hit("stats"), g)[1])
             # The first layer's gradient comes last: by then the later layers' buckets
             # are being all-reduced.
             first.register_hook(lambda g: (faults.hit("allreduce"), g)[1])
@@ -119,8 +130,15 @@ def reference(steps: int, deterministic: bool, virtual_nodes: int = V) -> dict[s
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rdzv", required=True)
-    parser.add_argument("--job", required=True)
+    elastic.add_job_arguments(
+        parser,
+        "min_workers",
+        "max_workers",
+        "checkpoint",
+        timeout_s=5.0,
+        join_timeout_s=60.0,
+        last_call_s=0.5,
+    )
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--log", required=True)
     parser.add_argument("--out")
@@ -132,13 +150,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--sigterm-step", type=int)
     parser.add_argument("--leave-step", type=int)
-    parser.add_argument("--min-workers", type=int, default=1)
-    parser.add_argument("--max-workers", type=int, default=64)
     parser.add_argument("--virtual-nodes", type=int, default=V)
-    parser.add_argument("--timeout", type=float, default=5.0)
-    parser.add_argument("--join-timeout", type=float, default=60.0)
-    parser.add_argument("--checkpoint")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("vflow").setLevel(logging.DEBUG)
     use_loopback_for_gloo()
     torch.set_num_threads(1)
     faults = Faults(args.fault, args.fault_step, getattr(signal, args.fault_signal))
@@ -196,18 +211,7 @@ def main(argv: list[str]) -> int:
         log.write(json.dumps(record) + "\n")
         return result
 
-    job = elastic.ElasticJob(
-        args.rdzv,
-        args.job,
-        min_workers=args.min_workers,
-        max_workers=args.max_workers,
-        timeout_s=args.timeout,
-        join_timeout_s=args.join_timeout,
-        last_call_s=0.5,
-        keep_alive_s=0.5,
-        keep_alive_attempts=4,
-        checkpoint=args.checkpoint,
-    )
+    job = elastic.job_from_args(args, keep_alive_s=0.5, keep_alive_attempts=4)
     if args.fault == "recovery":
         # Dies in the first round after this worker saw a step fail: a second failure
         # while the survivors re-form.

@@ -1,11 +1,14 @@
 """Elastic jobs: workers join, leave and crash while the job runs, and nothing is lost
 or repeated (``ElasticJob``, Note [Elastic state machine] in ``job``). Membership is
 torch.distributed.elastic's rendezvous inside long-lived workers, on a store that
-``python -m vflow rendezvous`` hosts (``rendezvous``).
+``python -m vflow rendezvous`` hosts (``rendezvous``). Worker scripts take the job's
+options as command-line flags with ``add_job_arguments`` and ``job_from_args``
+(``flags``).
 
 May import: vflow.mapping, vflow.planning, vflow.data, vflow.world and vflow.runtime.
 """
 
+from vflow.elastic.flags import add_job_arguments, job_from_args
 from vflow.elastic.job import LEAVE, WAITING, ElasticJob, Event
 
-__all__ = ["LEAVE", "WAITING", "ElasticJob", "Event"]
+__all__ = ["LEAVE", "WAITING", "ElasticJob", "Event", "add_job_arguments", "job_from_args"]

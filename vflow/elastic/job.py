@@ -54,17 +54,27 @@ DONE   ``steps`` reached: the rendezvous is closed (late joiners return None).
 Fewer than ``min_workers`` after a failure: ROUND waits up to ``join_timeout_s`` for
 joiners, then raises RuntimeError, after writing ``checkpoint`` (if given) with
 ``vflow.runtime.save_local``.
+
+Note [Saying what a recovery does]
+A lost worker is what an elastic job is for, not an error: the ``vflow`` logger says at
+WARNING what happened and what the job does about it ("worker lost during step 77;
+re-forming the worker set"), and at INFO how it ended once the new worker set is ready
+("redoing step 77 with 2 workers (1 lost)": the lost are the old worker set's size less
+the members found in the new round). The raw CollectiveError (Gloo's "Connection closed
+by peer", the group's name) goes to DEBUG only. A timeout is named only when one expired:
+the error says "timed out" only then (Note [Saying what failed] in csrc/comm.cpp), and a
+dead peer closes its connections long before any timeout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -82,7 +92,7 @@ from vflow.elastic.rendezvous import (
 from vflow.runtime import checkpoint as checkpoint_io
 from vflow.runtime.executor import Executor
 from vflow.runtime.results import StepResult
-from vflow.world.group import CollectiveError, World
+from vflow.world.group import CollectiveError, World, failure_words
 
 __all__ = ["LEAVE", "WAITING", "ElasticJob", "Event"]
 
@@ -95,7 +105,7 @@ TrainStep = Callable[[Executor, int], StepResult]
 _log = logging.getLogger("vflow")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Event:
     """One change of the worker set, as this worker saw it.
 
@@ -114,10 +124,22 @@ class Event:
     seconds: float
 
 
-@dataclass
+@dataclasses.dataclass(frozen=True)
 class _Outcome:
     reason: str  # "done", "grow", "crash", "left", "few"
     seen: float  # time.monotonic() when this worker saw it
+    workers: int = 0  # the size of this worker's worker set then (0: not a member yet)
+    failed_step: int | None = None  # the step that raised CollectiveError, if one did
+
+
+class _RoundRefused(Exception):
+    """A round that formed but cannot train (no member of the running job in it, or more
+    workers than V): nobody failed, the members form the next one. ``level``: how loudly
+    to log it."""
+
+    def __init__(self, message: str, level: int) -> None:
+        super().__init__(message)
+        self.level = level
 
 
 class ElasticJob:
@@ -307,18 +329,30 @@ class ElasticJob:
             except RendezvousTimeoutError as e:
                 self._give_up(ex, e)
             try:
-                ex = self._form(rnd, ex, make_executor)
-            except CollectiveError as e:
+                ex, members = self._form(rnd, ex, make_executor)
+            except (CollectiveError, _RoundRefused) as e:
                 failures += 1
                 if failures > self.max_recoveries:
                     raise RuntimeError(
                         f"job {self.job_id!r}: {failures} rounds in a row failed to form a worker "
                         f"set; the last error: {e}"
                     ) from e
-                _log.warning("vflow elastic: round %d failed to form (%s); retrying", rnd.number, e)
-                outcome = _Outcome("crash", outcome.seen)
+                if isinstance(e, _RoundRefused):
+                    _log.log(e.level, "vflow elastic: %s; forming the next round", e)
+                else:
+                    who, why = self._lost_words(e)
+                    _log.warning(
+                        "vflow elastic: %s while round %d formed%s; re-forming the worker set",
+                        who,
+                        rnd.number,
+                        why,
+                    )
+                    _log.debug("vflow elastic: round %d: %s", rnd.number, e)
+                outcome = dataclasses.replace(outcome, reason="crash")
                 continue
             failures = 0
+            if outcome.reason == "crash" and outcome.workers:
+                self._say_recovered(outcome, ex, members)
             self._record(outcome, ex, rnd.number)
             outcome = self._train(rdzv, rnd, ex, train_step, steps)
             if outcome.reason == "done":
@@ -330,7 +364,11 @@ class ElasticJob:
                 _log.info("vflow elastic: left job %r at step %d", self.job_id, ex.step_count)
                 return ex
 
-    def _form(self, rnd: Round, ex: Executor | None, make_executor: MakeExecutor) -> Executor:
+    def _form(
+        self, rnd: Round, ex: Executor | None, make_executor: MakeExecutor
+    ) -> tuple[Executor, int]:
+        """This worker's executor on the round's group, and how many of the round's
+        workers were members of the job before it."""
         group = self._group(rnd, "main", None)
         world = World(group, timedelta(seconds=self.timeout_s))
         started_key = f"vflow/{self.job_id}/started"
@@ -340,8 +378,10 @@ class ElasticJob:
         if not members and self._job_store().check([started_key]):
             # The job's members are still on their way to this round (or gone): never
             # start a running job over (Note [Elastic state machine]).
-            raise CollectiveError(
-                f"round {rnd.number} of job {self.job_id!r} has no member of the running job"
+            raise _RoundRefused(
+                f"round {rnd.number} of job {self.job_id!r} has no member of the running job "
+                "(they are on their way to a later round)",
+                logging.INFO,
             )
         virtual_nodes = rows[members[0]][1] if members else world.size
         if world.size > virtual_nodes:
@@ -355,9 +395,10 @@ class ElasticJob:
                     f"worker each, and has {len(members)} worker(s): this worker is not "
                     "needed (pass max_workers <= V to make extra workers wait instead)"
                 )
-            raise CollectiveError(
+            raise _RoundRefused(
                 f"round {rnd.number} of job {self.job_id!r} has {world.size} workers for "
-                f"V={virtual_nodes}; workers beyond V were refused"
+                f"V={virtual_nodes}; the workers beyond V were refused (keep max_workers <= V)",
+                logging.WARNING,
             )
         if ex is None:
             ex = make_executor(group, self.timeout_s)
@@ -368,17 +409,18 @@ class ElasticJob:
         else:
             ex.reconfigure(group, timeout=self.timeout_s, catch_up=True)
         self._job_store().set(started_key, b"1")
-        return ex
+        return ex, len(members)
 
     def _group(self, rnd: Round, name: str, ranks: list[int] | None) -> dist.ProcessGroup:
+        start = time.monotonic()
         try:
             return round_group(
                 rnd, timedelta(seconds=self.timeout_s), backend=self.backend, name=name, ranks=ranks
             )
         except RuntimeError as e:  # a peer that never connected: dead or hung
+            outcome = failure_words(str(e), time.monotonic() - start, self.timeout_s)
             raise CollectiveError(
-                f"creating the process group of round {rnd.number} ({name}) failed or timed "
-                f"out (timeout {self.timeout_s:g} s): {e}"
+                f"creating the process group of round {rnd.number} ({name}) {outcome}: {e}"
             ) from e
 
     def _job_store(self) -> dist.Store:
@@ -394,18 +436,23 @@ class ElasticJob:
         while ex.step_count < steps:
             if rdzv.evicted():
                 _log.warning(
-                    "vflow elastic: dropped from round %d (heartbeats lapsed); re-joining",
+                    "vflow elastic: this worker's heartbeats lapsed and round %d dropped it; "
+                    "re-forming the worker set",
                     rnd.number,
                 )
-                return _Outcome("crash", time.monotonic())
+                return _Outcome("crash", time.monotonic(), ex.world_size)
             word = (WAITING if rdzv.waiting() else 0) | (LEAVE if self._leave.is_set() else 0)
             ex.signal(word)
             step = ex.step_count
             try:
                 result = train_step(ex, step)
             except CollectiveError as e:
-                _log.warning("vflow elastic: step %d failed: %s", step, e)
-                return _Outcome("crash", time.monotonic())
+                who, why = self._lost_words(e)
+                _log.warning(
+                    "vflow elastic: %s during step %d%s; re-forming the worker set", who, step, why
+                )
+                _log.debug("vflow elastic: step %d: %s", step, e)
+                return _Outcome("crash", time.monotonic(), ex.world_size, step)
             if not isinstance(result, StepResult) or ex.step_count != step + 1:
                 raise RuntimeError(
                     "train_step(ex, step) must run exactly one ex.step(...) and return its "
@@ -423,15 +470,51 @@ class ElasticJob:
                     group = self._group(rnd, f"shrink{shrinks}", round_ranks)
                     ex.reconfigure(group, timeout=self.timeout_s, catch_up=True)
                 except CollectiveError as e:
-                    _log.warning("vflow elastic: shrinking after step %d failed: %s", step, e)
-                    return _Outcome("crash", seen)
+                    who, why = self._lost_words(e)
+                    _log.warning(
+                        "vflow elastic: %s while the others shrank the worker set after step "
+                        "%d%s; re-forming it",
+                        who,
+                        step,
+                        why,
+                    )
+                    _log.debug("vflow elastic: shrinking after step %d: %s", step, e)
+                    return _Outcome("crash", seen, len(round_ranks))
                 self._record(_Outcome("leave", seen), ex, rnd.number)
                 if ex.world_size < self.min_workers:
-                    return _Outcome("few", time.monotonic())
+                    return _Outcome("few", time.monotonic(), ex.world_size)
                 continue
             if any(w & WAITING for w in result.signals):
-                return _Outcome("grow", seen)
+                return _Outcome("grow", seen, ex.world_size)
         return _Outcome("done", time.monotonic())
+
+    def _lost_words(self, error: CollectiveError) -> tuple[str, str]:
+        """Who failed, and why when it was a timeout (Note [Saying what a recovery
+        does]): a collective that timed out cannot tell a hung worker from a lost one
+        (a survivor may wait on another survivor that already left for the next round)."""
+        if "timed out" in str(error):
+            return "worker hung or lost", f" (no answer within the {self.timeout_s:g} s timeout)"
+        return "worker lost", ""
+
+    def _say_recovered(self, outcome: _Outcome, ex: Executor, members: int) -> None:
+        lost = max(0, outcome.workers - members)
+        workers = f"{ex.world_size} worker{'s' if ex.world_size != 1 else ''}"
+        if lost:
+            workers += f" ({lost} lost)"
+        if outcome.failed_step is None:
+            _log.info("vflow elastic: going on at step %d with %s", ex.step_count, workers)
+        elif ex.step_count == outcome.failed_step:
+            _log.info("vflow elastic: redoing step %d with %s", ex.step_count, workers)
+        else:
+            # A member committed the failed step before the group broke; the others
+            # received its state (catch_up).
+            _log.info(
+                "vflow elastic: step %d was committed before the failure; going on at step "
+                "%d with %s",
+                outcome.failed_step,
+                ex.step_count,
+                workers,
+            )
 
     def _record(self, outcome: _Outcome, ex: Executor, round_number: int) -> None:
         # "few": the leave was recorded when it happened; this round brought joiners.
