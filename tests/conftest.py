@@ -24,8 +24,10 @@ def _fixed_seed():
 
 
 # One test's budget on the 2-core CI machine: the summary names any test that ran longer,
-# so that the suite stays within `make test`'s ten minutes as it grows.
-TEST_BUDGET_S = 30.0
+# so that the suite stays well within `make test`'s ten minutes as it grows. The slowest
+# tests start real worker processes (the README's elastic lines, the demo's elastic
+# scenario, the elastic benchmark) and take 30-50 s there.
+TEST_BUDGET_S = 60.0
 
 
 def _skip_reason(report: pytest.TestReport) -> str:

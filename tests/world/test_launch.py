@@ -70,8 +70,8 @@ def test_dead_rank_reports_exit_code_and_survivor_fails_fast():
 def test_hung_rank_raises_timeout_error_naming_it():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2") as info:
-        run_ranks(2, _sleep_on_rank_1, timeout=15, collective_timeout=10)
-    assert time.monotonic() - start < 15 + 10
+        run_ranks(2, _sleep_on_rank_1, timeout=8, collective_timeout=5)
+    assert time.monotonic() - start < 8 + 10
     # With the Python stack faulthandler dumped from the hung rank before the deadline.
     assert "--- rank 1, where it hung ---" in str(info.value)
     assert "_sleep_on_rank_1" in str(info.value)
