@@ -57,7 +57,12 @@ def test_readme_inline_commands_run_from_the_venv() -> None:
 
 def test_readme_says_what_the_first_make_does() -> None:
     text = " ".join(README.split())
-    for fact in ("python3-venv", "downloads the pinned CPU build of PyTorch", "1–3 minutes"):
+    for fact in (
+        "python3-venv",
+        "downloads the pinned CPU build of PyTorch",
+        "printing a line per compiled file",
+        "pip install --no-build-isolation .",
+    ):
         assert fact in text
     assert "source .venv/bin/activate" in text
 
