@@ -11,7 +11,13 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
-DEPS_STAMP := $(VENV)/.deps-$(TORCH_VERSION)
+# Test processes: the slowest tests mostly wait (worker processes starting, rendezvous
+# rounds, heartbeats), so two of them share 2 cores well.
+TEST_JOBS ?= 2
+DEPS := "torch==$(TORCH_VERSION)" numpy ninja setuptools wheel pytest pytest-xdist ruff \
+	scikit-learn matplotlib
+# Named after the list, so that a .venv made for another list is topped up.
+DEPS_STAMP := $(VENV)/.deps-$(shell echo '$(DEPS)' | cksum | cut -d' ' -f1)
 BUILD_STAMP := $(VENV)/.built
 EXT_SOURCES := setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/*/*.h csrc/*/*.cpp csrc/cuda/*.cu)
 
@@ -23,12 +29,11 @@ $(DEPS_STAMP):
 	@$(PYTHON) -c "import venv, ensurepip" 2> /dev/null || { echo "make: $(PYTHON) cannot \
 	create a virtual environment (no venv/ensurepip); on Debian/Ubuntu: sudo apt install \
 	python3-venv" >&2; exit 1; }
-	$(PYTHON) -m venv $(VENV)
-	@echo "make: installing torch==$(TORCH_VERSION), numpy, scikit-learn, matplotlib, pytest \
-	and ruff into $(VENV) (a few hundred MB; once)"
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "make: installing torch==$(TORCH_VERSION), numpy, scikit-learn, matplotlib, pytest, \
+	pytest-xdist and ruff into $(VENV) (a few hundred MB; once)"
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install --progress-bar on "torch==$(TORCH_VERSION)" numpy ninja setuptools \
-		wheel pytest ruff scikit-learn matplotlib
+	$(PY) -m pip install --progress-bar on $(DEPS)
 	touch $@
 
 # Shows the compiler's progress, one line per file, and any error (pip -v prints whole
@@ -47,7 +52,7 @@ demo: $(BUILD_STAMP)
 	$(VENV)/bin/torchrun ..., or after: source $(VENV)/bin/activate"
 
 test: $(BUILD_STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile tests
 
 bench: $(BUILD_STAMP)
 	$(PY) benchmarks/run.py $(ARGS)
