@@ -39,7 +39,7 @@ $(DEPS_STAMP):
 # Shows the compiler's progress, one line per file, and any error (pip -v prints whole
 # compiler commands; setup.py prints its decisions twice).
 $(BUILD_STAMP): $(DEPS_STAMP) $(EXT_SOURCES)
-	@echo "make: compiling vflow's C++ extension (15 files, about 3-4 minutes on 2 cores; once)"
+	@echo "make: compiling vflow's C++ extension (15 files, 2-4 minutes on 2 cores; once)"
 	MAX_JOBS=2 $(PY) -m pip install -v --no-build-isolation -e . 2>&1 | \
 		sed -nuE -e 's#^ *\[([0-9]+/[0-9]+)\] .* -c [^ ]*/(csrc/[^ ]+) .*#  [\1] \2#p' \
 		-e 's#^ *(vflow: .*)#\1#p' -e '/error:|Error:|^ERROR/p' | \
