@@ -75,7 +75,7 @@ __all__ = [
 
 # Note [Moved modules]
 # Before 0.4 every module sat directly in vflow/. Code that imports an old path
-# (``from vflow.mapping.plan import Plan``, ``import vflow.runtime.checkpoint``) keeps working: the
+# (``from vflow.plan import Plan``, ``import vflow.checkpoint``) keeps working: the
 # finder below hands out the module at its new path, under the old name too, with a
 # DeprecationWarning that names the new path. It is the same module object, so types,
 # pickles and isinstance checks are unaffected. vflow.elastic and vflow.data are rooms
@@ -117,6 +117,9 @@ MOVED_MODULES = {
 class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Resolves the old module paths of MOVED_MODULES (Note [Moved modules])."""
 
+    def __init__(self) -> None:
+        self._own_specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
+
     def find_spec(
         self, fullname: str, path: object = None, target: object = None
     ) -> importlib.machinery.ModuleSpec | None:
@@ -129,9 +132,6 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             stacklevel=2,
         )
         return importlib.util.spec_from_loader(fullname, self)
-
-    def __init__(self) -> None:
-        self._own_specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         module = importlib.import_module(MOVED_MODULES[spec.name])
