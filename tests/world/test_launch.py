@@ -1,5 +1,5 @@
-"""vflow.world.launch.run_ranks (tests use it as tests.distributed.run_ranks): results, errors,
-dead ranks and hung ranks are all reported; threads, fail_fast, poll and the store."""
+"""vflow.world.launch.run_ranks, which every multi-rank test uses: results, errors, dead
+ranks and hung ranks are all reported; threads, fail_fast, poll and the store."""
 
 import os
 import time
