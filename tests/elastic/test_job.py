@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 from tests.support import elastic_worker
+from tests.support.rendezvous import store_process
 from vflow.data import VNBatchSampler
 from vflow.elastic import ElasticJob
 from vflow.mapping.plan import Plan
@@ -35,18 +35,9 @@ SLEEP = "0.25"
 
 @pytest.fixture(scope="module")
 def rendezvous() -> Iterator[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vflow", "rendezvous", "--port", "0"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        assert ready, "python -m vflow rendezvous printed no address within 60 s"
-        endpoint = proc.stdout.readline().strip()
+    with store_process() as (proc, endpoint):
         assert endpoint.startswith("127.0.0.1:"), endpoint
         yield endpoint
-    finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0  # ends cleanly on SIGTERM
 

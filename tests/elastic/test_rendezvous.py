@@ -4,7 +4,6 @@ the groups of a round. The rounds themselves run in tests/elastic/test_job.py.""
 from __future__ import annotations
 
 import datetime
-import select
 import signal
 import subprocess
 import sys
@@ -13,29 +12,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.support.rendezvous import store_process
 from vflow.elastic.rendezvous import Round, parse_endpoint, round_group, serve
 
 
 def test_the_store_process_prints_its_address_and_ends_on_sigterm() -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vflow", "rendezvous", "--port", "0"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        assert ready
-        host, port = parse_endpoint(proc.stdout.readline().strip())
+    with store_process() as (proc, endpoint):
+        host, port = parse_endpoint(endpoint)
         assert host == "127.0.0.1"  # loopback unless --host says otherwise
         client = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=10))
         client.set("k", b"v")
         assert client.get("k") == b"v"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
 
 
 def test_help_says_the_store_has_no_authentication() -> None:

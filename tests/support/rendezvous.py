@@ -1,0 +1,35 @@
+"""The rendezvous store of elastic jobs as a process, for the tests that need one."""
+
+from __future__ import annotations
+
+import select
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def store_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``python -m vflow rendezvous --port 0``: the process and the address it printed.
+    A process still running on the way out is stopped (SIGTERM, then SIGKILL)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vflow", "rendezvous", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "python -m vflow rendezvous printed no address within 60 s"
+        assert proc.stdout is not None
+        yield proc, proc.stdout.readline().strip()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+        if proc.stdout is not None:
+            proc.stdout.close()
