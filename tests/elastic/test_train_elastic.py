@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import select
 import shlex
 import signal
 import socket
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tests.support import REPO_ROOT
+from tests.support.rendezvous import store_process
 
 pytest.importorskip("sklearn", reason="the example trains on scikit-learn's digits")
 if not (dist.is_available() and dist.is_gloo_available()):
@@ -89,25 +89,12 @@ def _readme_store(words: list[str]) -> Iterator[int]:
     """The README's store line, on a free port (another one if that was taken)."""
     for _ in range(3):
         port = _free_port()
-        proc = subprocess.Popen(
-            _as_here(words, port), cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, env=_env()
-        )
-        try:
-            ready, _, _ = select.select([proc.stdout], [], [], 60)
-            assert ready, "python -m vflow rendezvous printed nothing within 60 s"
-            endpoint = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        command = _as_here(words, port)
+        with store_process(command, cwd=REPO_ROOT, env=_env()) as (proc, endpoint):
             if endpoint == f"127.0.0.1:{port}":
                 yield port
                 return
             assert proc.wait(timeout=30) != 0, endpoint  # the port was taken meanwhile
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=30)
     raise AssertionError("python -m vflow rendezvous found no free port in 3 tries")
 
 

@@ -5,19 +5,20 @@ from __future__ import annotations
 import select
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 
 @contextmanager
-def store_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """``python -m vflow rendezvous --port 0``: the process and the address it printed.
+def store_process(
+    command: Sequence[str] = (sys.executable, "-m", "vflow", "rendezvous", "--port", "0"),
+    **popen: Any,
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """The store's ``command`` (``python -m vflow rendezvous`` on a port the OS picks):
+    the process and the first line it printed (its address, or nothing if it ended).
     A process still running on the way out is stopped (SIGTERM, then SIGKILL)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vflow", "rendezvous", "--port", "0"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, text=True, **popen)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 60)
         assert ready, "python -m vflow rendezvous printed no address within 60 s"
