@@ -30,8 +30,6 @@ from vflow.demo.mappings import (
 )
 from vflow.demo.progress import ProgressBar
 
-ELASTIC_WORKERS = elastic_scenario.WORKERS
-
 DESCRIPTION = (
     "Train a small CNN on scikit-learn's digits with the same global batch B and V "
     "virtual nodes on 1, 2 and 4 Gloo worker processes and an uneven plan "
@@ -75,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-elastic",
         action="store_true",
         help="skip the elastic scenario (vflow/demo/elastic_scenario.py: --epochs epochs, at "
-        f"least {elastic_scenario.MIN_STEPS} steps; it needs V >= {ELASTIC_WORKERS})",
+        f"least {elastic_scenario.MIN_STEPS} steps; it needs V >= {elastic_scenario.WORKERS})",
     )
     parser.add_argument(
         "--no-heterogeneous",
@@ -126,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--timeout must be > 0, got {args.timeout}")
     if args.baseline_batch is not None and args.baseline_batch < 1:
         parser.error(f"--baseline-batch must be >= 1, got {args.baseline_batch}")
-    if not args.no_elastic and args.virtual_nodes < ELASTIC_WORKERS:
+    if not args.no_elastic and args.virtual_nodes < elastic_scenario.WORKERS:
         parser.error(
-            f"the elastic scenario grows to {ELASTIC_WORKERS} workers: it needs "
-            f"--virtual-nodes >= {ELASTIC_WORKERS} (or --no-elastic)"
+            f"the elastic scenario grows to {elastic_scenario.WORKERS} workers: it needs "
+            f"--virtual-nodes >= {elastic_scenario.WORKERS} (or --no-elastic)"
         )
     try:
         mappings = [
