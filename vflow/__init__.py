@@ -36,6 +36,7 @@ from vflow.mapping import Plan, VNSlice, split_sizes
 from vflow.planning import (
     AutoPlan,
     PlanChange,
+    PlanDecision,
     Planner,
     StepProfile,
     VNProfile,
@@ -55,6 +56,7 @@ __all__ = [
     "PhaseTimings",
     "Plan",
     "PlanChange",
+    "PlanDecision",
     "Planner",
     "StepProfile",
     "StepResult",

@@ -23,9 +23,16 @@ def _profile(plan: Plan, per_sample: list[float], step: int = 0, comm: float = 0
     return StepProfile(step, tuple(workers))
 
 
+def _started(auto: AutoPlan, plan: Plan, per_sample: list[float]) -> AutoPlan:
+    """``auto`` after the first step's profile, which it does not use (one-time costs)."""
+    assert auto.observe(_profile(plan, [10 * c for c in per_sample]), plan, B, 1) is None
+    assert auto.decisions == []
+    return auto
+
+
 def test_plans_after_the_warmup_and_keeps_a_good_plan() -> None:
-    auto = AutoPlan(warmup=2)
     even = Plan.even(V, 2)
+    auto = _started(AutoPlan(warmup=2), even, [1e-3, 2e-3])
     assert auto.observe(_profile(even, [1e-3, 2e-3]), even, B, 1) is None
     new = auto.observe(_profile(even, [1e-3, 2e-3]), even, B, 2)
     assert new == Plan(counts=[8, 4])
@@ -41,8 +48,8 @@ def test_plans_after_the_warmup_and_keeps_a_good_plan() -> None:
 
 
 def test_a_straggler_is_replanned_after_patience_drifting_steps() -> None:
-    auto = AutoPlan(warmup=2, patience=2)
     plan = Plan.even(V, 2)
+    auto = _started(AutoPlan(warmup=2, patience=2), plan, [1e-3, 1e-3])
     for step in range(2):
         plan = auto.observe(_profile(plan, [1e-3, 1e-3]), plan, B, step + 1) or plan
     assert plan == Plan.even(V, 2) and auto.history == []  # equal speeds: even is best
@@ -59,11 +66,11 @@ def test_a_straggler_is_replanned_after_patience_drifting_steps() -> None:
 
 
 def test_small_gains_are_refused_and_foreign_profiles_ignored() -> None:
-    auto = AutoPlan(warmup=1, min_gain=0.2)
     even = Plan.even(V, 2)
+    auto = _started(AutoPlan(warmup=1, min_gain=0.2), even, [1e-3, 1e-3])
     assert auto.observe(_profile(even, [1e-3, 1.2e-3]), even, B, 1) is None  # ~9 % only
     other = Plan(counts=[4, 8])
-    fresh = AutoPlan(warmup=1)
+    fresh = _started(AutoPlan(warmup=1), even, [1e-3, 1e-3])
     assert fresh.observe(_profile(other, [1e-3, 2e-3]), even, B, 1) is None  # not this plan
     assert fresh.history == []
 
@@ -87,22 +94,23 @@ def test_sizes_plans_balance_when_v_equals_w() -> None:
     auto = AutoPlan("sizes", warmup=1)
     even = Plan.even(2, 2)
     sizes = split_sizes(B, 2)
-    profile = StepProfile(
+    profile = lambda: StepProfile(  # noqa: E731
         0,
         tuple(
             WorkerProfile(w, 0, (VNProfile(w, sizes[w], 0.0, sizes[w] * c),), 0.0, 0.0, 0.0, 0.0)
             for w, c in enumerate([1e-3, 2e-3])
         ),
     )
-    new = auto.observe(profile, even, B, 1)
+    assert auto.observe(profile(), even, B, 1) is None  # the first step: one-time costs
+    new = auto.observe(profile(), even, B, 2)
     assert new is not None and new.sizes == ((80,), (40,))
 
 
 def test_returning_to_the_plan_just_left_backs_off_and_quiet_steps_recover() -> None:
     from vflow.planning.auto_plan import MAX_BACKOFF, RECOVERY_STEPS
 
-    auto = AutoPlan(warmup=1, patience=2)
     plan = Plan.even(V, 2)
+    auto = _started(AutoPlan(warmup=1, patience=2), plan, [1e-3, 1e-3])
     step = 0
 
     def run(speeds: list[float], steps: int) -> list[int]:
@@ -134,3 +142,84 @@ def test_returning_to_the_plan_just_left_backs_off_and_quiet_steps_recover() -> 
     # Quiet steps halve the back-off, down to the plain patience.
     assert run(equal, 2 * RECOVERY_STEPS) == [] and auto.drift_patience == MAX_BACKOFF
     assert run(equal, 3 * 2 * RECOVERY_STEPS) == [] and auto.drift_patience == 2
+
+
+def _noisy(plan: Plan, per_sample: list[float], step: int, jitter_s: float) -> StepProfile:
+    """A profile whose step time is ``jitter_s`` longer on odd steps: noise that the
+    compute does not show (a busy machine's waits)."""
+    profile = _profile(plan, per_sample, step)
+    extra = jitter_s if step % 2 else 0.0
+    workers = tuple(
+        WorkerProfile(w.rank, step, w.vns, w.compute_s, w.exposed_comm_s + extra, 0.0,
+                      w.step_s + extra)
+        for w in profile.workers
+    )  # fmt: skip
+    return StepProfile(step, workers)
+
+
+def test_a_gain_within_the_noise_band_keeps_the_plan_and_says_so() -> None:
+    even = Plan.even(V, 2)
+    # Worker 1 1.5x slower: [7, 5] saves 0.015 s of a 0.125 s step (12 %), but
+    # consecutive steps differ by 0.05 s.
+    speeds = [1e-3, 1.5e-3]
+    auto = _started(AutoPlan(warmup=4), even, speeds)
+    for step in range(1, 1 + 4 * 4 + 4):
+        assert auto.observe(_noisy(even, speeds, step, 0.05), even, B, step + 1) is None
+    assert auto.history == []
+    assert [d.taken for d in auto.decisions] == [False, False, False]  # warmup x 1, 2, 4
+    last = auto.decisions[-1]
+    assert last.proposed == Plan(counts=[7, 5]) and last.current == even
+    assert last.predicted_gain > 1.05  # above min_gain: the noise is what refuses it
+    assert last.predicted_current_s - last.predicted_proposed_s < last.noise_band_s
+    assert "within the noise band" in last.describe()
+
+
+def test_a_refused_gain_is_weighed_again_on_more_steps_where_the_band_is_narrower() -> None:
+    even = Plan.even(V, 2)
+    speeds = [1e-3, 2e-3]  # [8, 4] saves 0.04 s per step
+    auto = _started(AutoPlan(warmup=2), even, speeds)
+    taken_at = None
+    for step in range(1, 12):
+        new = auto.observe(_noisy(even, speeds, step, 0.03), even, B, step + 1)
+        if new is not None:
+            taken_at = step + 1
+            break
+    # The band is 2 * 1.4826 * 0.03 / sqrt(2) * sqrt(2 / n): 0.063 s on 2 profiles,
+    # 0.044 s on 4, 0.031 s on 8: the first two looks refuse, the last takes it.
+    assert [d.taken for d in auto.decisions] == [False, False, True]
+    assert taken_at == 9 and auto.history[0].new == Plan(counts=[8, 4])
+    assert auto.history[0].noise_band_s == auto.decisions[-1].noise_band_s
+
+
+def test_the_fixed_part_of_a_step_weighs_the_gain() -> None:
+    even = Plan.even(V, 2)
+    speeds = [1e-3, 1.3e-3]  # [7, 5] saves 0.0134 s of compute
+    for fixed, changes in ((0.0, 1), (0.5, 0)):  # 0.5 s not compute: the gain is < 5 %
+        auto = _started(AutoPlan(warmup=2), even, speeds)
+        for step in range(1, 4):
+            auto.observe(_profile(even, speeds, step, comm=fixed), even, B, step + 1)
+        assert len(auto.history) == changes
+        assert auto.decisions[0].predicted_current_s == pytest.approx(60 * 1.3e-3 + fixed)
+
+
+def test_one_process_warns_that_there_is_nothing_to_plan() -> None:
+    with pytest.warns(UserWarning, match="single process: there is one worker"):
+        AutoPlan().check(deterministic=True, world_size=1)
+
+
+def test_a_new_plan_is_weighed_once_more_on_its_own_profiles() -> None:
+    even = Plan.even(V, 2)
+    auto = _started(AutoPlan(warmup=2), even, [1e-3, 2e-3])
+    plan, changed = even, []
+    for step in range(1, 12):
+        # Under a balanced plan worker 1 is 3x slower, not 2x as while worker 0 idled.
+        speeds = [1e-3, 2e-3] if plan == even else [1e-3, 3e-3]
+        new = auto.observe(_profile(plan, speeds, step), plan, B, step + 1)
+        if new is not None:
+            changed.append((step + 1, new.counts))
+            plan = new
+    # [8, 4] from the even plan's speeds; two profiles of it later, [9, 3]; then no
+    # further look (the second change was the look's own).
+    assert changed == [(3, (8, 4)), (5, (9, 3))]
+    assert [c.reason for c in auto.history] == ["profiled", "settled"]
+    assert [d.reason for d in auto.decisions] == ["profiled", "settled"]

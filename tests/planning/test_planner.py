@@ -10,6 +10,7 @@ import pytest
 
 from vflow.mapping.batching import split_sizes
 from vflow.mapping.plan import Plan
+from vflow.planning import planner
 from vflow.planning.planner import (
     WorkerModel,
     fit,
@@ -54,10 +55,10 @@ def test_counts_plans_are_optimal_against_brute_force(seed: int) -> None:
         with pytest.raises(ValueError, match="no plan fits the memory caps"):
             plan_counts(models, v, b)
         return
-    got = plan_counts(models, v, b, comm_s=0.25)
+    got = plan_counts(models, v, b, fixed_s=0.25)
     assert got.plan.virtual_nodes == v and got.plan.num_workers == workers
     assert got.step_s == pytest.approx(want + 0.25, rel=1e-12)
-    assert got == plan_counts(models, v, b, comm_s=0.25)  # the same on every call (rank)
+    assert got == plan_counts(models, v, b, fixed_s=0.25)  # the same on every call (rank)
 
 
 def _brute_sizes(models: list[WorkerModel], v: int, b: int) -> float:
@@ -146,3 +147,29 @@ def test_models_from_profiles_use_every_workers_vns() -> None:
     assert models[1].max_vn_size == 12
     with pytest.raises(ValueError, match=r"worker\(s\) \[1\] ran no VN"):
         models_from_profiles([StepProfile(3, (worker(0, 0.01, [0, 1, 2, 3]), worker(1, 0.02, [])))])
+
+
+def _timed(step: int, step_s: list[float], compute_s: list[float]) -> StepProfile:
+    workers = tuple(
+        WorkerProfile(w, step, (), compute, 0.0, 0.0, total)
+        for w, (total, compute) in enumerate(zip(step_s, compute_s, strict=True))
+    )
+    return StepProfile(step, workers)
+
+
+def test_fixed_step_is_the_last_finishers_non_compute_time() -> None:
+    # Worker 0 waits 5 ms for worker 1; worker 1's 2 ms are what no plan removes.
+    profiles = [_timed(k, [0.012, 0.012], [0.005, 0.010]) for k in range(3)]
+    assert planner.fixed_step_s(profiles) == pytest.approx(0.002)
+    assert planner.fixed_step_s([]) == 0.0
+
+
+def test_step_noise_ignores_a_drift_and_one_outlier() -> None:
+    steady = [_timed(k, [0.010 + 0.001 * (k % 2)] * 2, [0.0] * 2) for k in range(9)]
+    drifting = [_timed(k, [0.020 - 0.001 * k + 0.001 * (k % 2)] * 2, [0.0] * 2) for k in range(9)]
+    outlier = [*steady[:4], _timed(4, [0.5, 0.5], [0.0, 0.0]), *steady[5:]]
+    sigma = planner.step_noise_s(steady)
+    assert sigma == pytest.approx(1.4826 * 0.001 / 2**0.5)
+    assert planner.step_noise_s(drifting) <= 1.01 * sigma  # a drift of 1 ms/step is not noise
+    assert planner.step_noise_s(outlier) == pytest.approx(sigma)
+    assert planner.step_noise_s(steady[:1]) == 0.0

@@ -8,7 +8,7 @@ fits a cost per worker and solves for the best counts or sizes plan; ``auto_plan
 May import: vflow.mapping.
 """
 
-from vflow.planning.auto_plan import AutoPlan, PlanChange
+from vflow.planning.auto_plan import AutoPlan, PlanChange, PlanDecision
 from vflow.planning.emulation import SlowDown
 from vflow.planning.planner import Planner, WorkerModel
 from vflow.planning.profile import StepProfile, VNProfile, WorkerProfile
@@ -16,6 +16,7 @@ from vflow.planning.profile import StepProfile, VNProfile, WorkerProfile
 __all__ = [
     "AutoPlan",
     "PlanChange",
+    "PlanDecision",
     "Planner",
     "SlowDown",
     "StepProfile",

@@ -4,11 +4,19 @@ Note [The planner's model]
 Each worker w runs its VNs one after another, so its compute time under a plan is the
 sum over its VNs of ``a_w + b_w * n`` (n: the VN's samples): ``a_w`` is the fixed cost
 of a VN on that worker (the Python loop, kernel launches, the fold into the buffers)
-and ``b_w`` its cost per sample. The step ends when the slowest worker is done and the
-reduction that its last backward did not hide has finished; that exposed part is
-about the same under every plan (the bytes reduced do not depend on the plan), so the
-predicted step time is ``max_w compute_w(plan) + comm``, and minimising it means
-minimising the largest compute time.
+and ``b_w`` its cost per sample. The step ends when the slowest worker is done and has
+done the part of a step that is not VN compute: the reduction its last backward did not
+hide, the optimizer step and the step's own bookkeeping. That fixed part is about the
+same under every plan (the bytes reduced and the optimizer's work do not depend on the
+plan), so the predicted step time is ``max_w compute_w(plan) + fixed``, and minimising
+it means minimising the largest compute time. ``fixed_step_s`` measures it as the
+non-compute time of the worker that finishes last (the smallest ``step - compute`` of
+any worker: the others' also holds their wait for it), median over the profiles.
+
+The fixed part does not change which plan is best, but it sets how much a better plan
+gains relative to the whole step: with a 2 ms step of which 1 ms is fixed, halving the
+slowest compute gains 1.33x, not 2x. ``vflow.planning.auto_plan`` weighs that gain
+against the step time's measurement noise (``step_noise_s``) before changing plans.
 
 ``a_w`` and ``b_w`` are fitted by least squares to the median forward + backward
 seconds at each VN size that worker ran in the profiled steps (Note [Profiles],
@@ -42,6 +50,7 @@ an agreement round.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -72,7 +81,7 @@ class Prediction:
     """A plan and the step time the model predicts for it."""
 
     plan: Plan
-    step_s: float  # max over workers of compute, plus the exposed communication
+    step_s: float  # max over workers of compute, plus the step's fixed part
     worker_s: tuple[float, ...]  # each worker's predicted compute
 
 
@@ -121,15 +130,31 @@ def models_from_profiles(
     return [fit(p, cap) for p, cap in zip(points, caps, strict=True)]
 
 
-def exposed_comm(profiles: Sequence[StepProfile]) -> float:
-    """The reduction time no plan hides: the smallest exposed communication of any worker
-    (the others' includes waiting for the slowest), median over ``profiles``."""
-    values = sorted(min(w.exposed_comm_s for w in p.workers) for p in profiles)
-    return values[len(values) // 2] if values else 0.0
+def fixed_step_s(profiles: Sequence[StepProfile]) -> float:
+    """The part of a step that no plan removes (Note [The planner's model]): the
+    non-compute time of the worker that finishes last — its exposed reduction, optimizer
+    step and bookkeeping — i.e. the smallest ``step_s - compute_s`` of any worker, median
+    over ``profiles`` (0 without profiles)."""
+    values = [max(0.0, min(w.step_s - w.compute_s for w in p.workers)) for p in profiles]
+    return statistics.median(values) if values else 0.0
+
+
+def step_noise_s(profiles: Sequence[StepProfile]) -> float:
+    """The measurement noise of the step time over ``profiles`` (in step order): a robust
+    standard deviation from the differences of consecutive step times (the longest
+    worker's), ``1.4826 * median |T_k - T_(k-1)| / sqrt(2)``. Differences, so that a
+    slow drift of the step time (the first steps of a process warming up) is not taken
+    for noise; a median, so that one step that the operating system preempted does not
+    widen it. 0 with fewer than two profiles."""
+    times = [max(w.step_s for w in p.workers) for p in profiles if p.workers]
+    if len(times) < 2:
+        return 0.0
+    jumps = [abs(later - earlier) for earlier, later in itertools.pairwise(times)]
+    return 1.4826 * statistics.median(jumps) / math.sqrt(2)
 
 
 def predict(
-    plan: Plan, models: Sequence[WorkerModel], batch_size: int, comm_s: float = 0.0
+    plan: Plan, models: Sequence[WorkerModel], batch_size: int, fixed_s: float = 0.0
 ) -> Prediction:
     """The model's step time for ``plan``."""
     _check_models(models, plan.num_workers)
@@ -141,11 +166,11 @@ def predict(
             per_worker.append(_INF)
         else:
             per_worker.append(model.seconds(len(mine), sum(mine)))
-    return Prediction(plan, max(per_worker) + comm_s, tuple(per_worker))
+    return Prediction(plan, max(per_worker) + fixed_s, tuple(per_worker))
 
 
 def plan_counts(
-    models: Sequence[WorkerModel], virtual_nodes: int, batch_size: int, comm_s: float = 0.0
+    models: Sequence[WorkerModel], virtual_nodes: int, batch_size: int, fixed_s: float = 0.0
 ) -> Prediction:
     """The counts plan with the smallest predicted step time (exact)."""
     workers = _check_problem(models, virtual_nodes, batch_size)
@@ -177,17 +202,17 @@ def plan_counts(
         i = choice[w][j]
         counts.append(j - i)
         j = i
-    return predict(Plan(counts=counts[::-1]), models, batch_size, comm_s)
+    return predict(Plan(counts=counts[::-1]), models, batch_size, fixed_s)
 
 
 def plan_sizes(
-    models: Sequence[WorkerModel], virtual_nodes: int, batch_size: int, comm_s: float = 0.0
+    models: Sequence[WorkerModel], virtual_nodes: int, batch_size: int, fixed_s: float = 0.0
 ) -> Prediction:
     """The sizes plan (uneven VN sizes) with the smallest predicted step time, to a
     relative 1e-9 in the step time."""
     _check_problem(models, virtual_nodes, batch_size)
     if all(m.per_sample_s <= 0 for m in models):
-        return plan_counts(models, virtual_nodes, batch_size, comm_s)
+        return plan_counts(models, virtual_nodes, batch_size, fixed_s)
     # Any feasible plan bounds T from above; the counts optimum usually is one.
     try:
         high = plan_counts(models, virtual_nodes, batch_size).step_s
@@ -209,7 +234,7 @@ def plan_sizes(
     counts, capacity = assignment
     samples = _take(models, counts, capacity, batch_size)
     plan = Plan(sizes=[split_sizes(s, c) for s, c in zip(samples, counts, strict=True)])
-    return predict(plan, models, batch_size, comm_s)
+    return predict(plan, models, batch_size, fixed_s)
 
 
 def _assign(
@@ -340,4 +365,4 @@ class Planner:
         models = models_from_profiles(profiles, self.max_vn_size)
         virtual_nodes = sum(len(w.vns) for w in profiles[0].workers)
         solve = plan_counts if self.kind == "counts" else plan_sizes
-        return solve(models, virtual_nodes, batch_size, exposed_comm(profiles))
+        return solve(models, virtual_nodes, batch_size, fixed_step_s(profiles))
