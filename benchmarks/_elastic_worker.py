@@ -148,9 +148,7 @@ def main(argv: list[str]) -> int:
     gen = torch.Generator().manual_seed(1234)
     x = torch.randn(samples, args.hidden, generator=gen)
     y = torch.randint(0, CLASSES, (samples,), generator=gen)
-    sampler = vflow.VNBatchSampler(
-        samples, args.batch_size, vflow.Plan.even(args.virtual_nodes, 1), 0, seed=SEED
-    )
+    sampler = vflow.VNBatchSampler(samples, args.batch_size, seed=SEED)  # bound in train_step
 
     def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         out = model(batch[0])
@@ -184,7 +182,7 @@ def main(argv: list[str]) -> int:
             begun["yes"] = True
             log.write(begin=time.time())
         crash.start_step(step, ex.plan.counts[ex.rank])
-        sampler.set_plan(ex.plan, ex.rank)
+        sampler.bind(ex)  # follows the step's executor, plan and rank
         indices, size = sampler.step_indices(step)
         try:
             result = ex.step((x[indices], y[indices]), global_batch_size=size)

@@ -168,9 +168,11 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
 
     # The sampler hands this rank only the indices of its own VNs' samples; the global
     # order depends on (seed, epoch) alone, so the VNs see the same samples on any
-    # number of workers. (The digits fit in memory; a real dataset would read lazily in
-    # __getitem__, so each rank would also read only its own samples.)
-    sampler = vflow.VNBatchSampler(len(y_train), size_b, plan, rank, seed=args.seed)
+    # number of workers. Bound to the executor, it splits every global batch under the
+    # plan that step runs with, so it follows any plan change (plan="auto", set_plan).
+    # (The digits fit in memory; a real dataset would read lazily in __getitem__, so
+    # each rank would also read only its own samples.)
+    sampler = vflow.VNBatchSampler(len(y_train), size_b, executor=ex, seed=args.seed)
     loader = DataLoader(TensorDataset(x_train, y_train), batch_sampler=sampler)
     log(
         f"vflow {vflow.__version__}: digits ({len(y_train)} train / {len(y_test)} test), "

@@ -142,17 +142,16 @@ def main(argv: list[str] | None = None) -> int:
             deterministic=args.deterministic,
         )
 
-    # The plan and rank change with the worker set; train_step sets them before every
-    # step, so the plan given here only has to be valid.
-    sampler = vflow.VNBatchSampler(
-        len(y_train), args.batch_size, vflow.Plan.even(args.virtual_nodes, 1), 0, seed=args.seed
-    )
+    # The plan and rank change with the worker set; train_step binds the sampler to the
+    # step's executor (a newcomer's is a new one), which then splits the step's global
+    # batch under the plan that step runs with.
+    sampler = vflow.VNBatchSampler(len(y_train), args.batch_size, seed=args.seed)
 
     def train_step(ex: vflow.Executor, step: int) -> vflow.StepResult:
         changes = len(job.events) - 1  # the first event is this worker's start
         if args.sleep > 0 and (args.sleep_until_changes == 0 or changes < args.sleep_until_changes):
             time.sleep(args.sleep)
-        sampler.set_plan(ex.plan, ex.rank)
+        sampler.bind(ex)
         indices, size = sampler.step_indices(step)
         result = ex.step((x_train[indices], y_train[indices]), global_batch_size=size)
         if ex.rank == 0 and (step + 1) % args.log_every == 0:

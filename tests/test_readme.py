@@ -16,8 +16,11 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 import vflow
+from tests.support import plan_follow
+from vflow.world.launch import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -172,3 +175,42 @@ def test_the_readmes_single_process_snippets_run(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith(f"ran {len(blocks)}")
     assert (tmp_path / "ckpt.pt").exists()
+
+
+# ---- the README's "Many workers" loop, as written, on two Gloo ranks ------------------
+
+
+def _run_readme_loop(world_size: int, snippet: str) -> list[dict]:
+    results = run_ranks(
+        world_size, plan_follow.readme_rank, snippet, 2.0, timeout=90, collective_timeout=60
+    )
+    return [r.value for r in results]
+
+
+def test_the_readme_many_workers_loop_follows_automatic_plans() -> None:
+    """Acceptance (issue 20): with plan="auto" the loop re-plans on its own and the
+    sampler follows, so every sample of every global batch is used exactly once."""
+    snippet = plan_follow.readme_snippet()
+    assert 'plan="auto"' in snippet and "executor=ex" in snippet
+    ranks = _run_readme_loop(2, snippet)
+    steps = ranks[0]["steps"]
+    assert steps == 2 * plan_follow.SAMPLES // plan_follow.B  # ran to the end of 2 epochs
+    assert ranks[0]["history"], "the automatic planner never re-planned"
+    assert ranks[1]["history"] == ranks[0]["history"]
+    parts = [plan_follow.served_by_step(r, 2, ranks[r]) for r in range(2)]
+    plan_follow.assert_each_sample_once(parts, steps)
+
+
+def test_the_readme_many_workers_loop_is_bitwise_one_process_in_deterministic_mode() -> None:
+    snippet = plan_follow.readme_snippet()
+    assert snippet.count('plan="auto"') == 1
+    snippet = snippet.replace('plan="auto"', 'plan="auto", deterministic=True')
+    ranks = _run_readme_loop(2, snippet)
+    (alone,) = _run_readme_loop(1, snippet)
+    assert ranks[0]["history"], "the automatic planner never re-planned"
+    parts = [plan_follow.served_by_step(r, 2, ranks[r]) for r in range(2)]
+    plan_follow.assert_each_sample_once(parts, ranks[0]["steps"])
+    assert alone["steps"] == ranks[0]["steps"]
+    for rank in ranks:
+        for got, want in zip(rank["params"], alone["params"], strict=True):
+            assert torch.equal(got, want)

@@ -321,3 +321,156 @@ def test_step_indices_follow_the_step_count_across_epochs_and_plans(drop_last):
             assert parts[0][1] == parts[1][1] == len(batch)
     with pytest.raises(ValueError, match="step must be"):
         one.step_indices(-1)
+
+
+# ---- bound to an executor (Note [Data follows the plan]) -------------------------------
+
+
+class FakeExecutor:
+    """The PlanFollower protocol: a step count, a rank and plan changes by first step;
+    records what the sampler reports."""
+
+    def __init__(self, plan, rank=0, changes=()):
+        self.step_count = 0
+        self.rank = rank
+        self.plans = [(0, plan), *changes]  # (first step, plan), by first step
+        self.draws = {}
+        self.forgotten = 0
+
+    def plan_for_step(self, step):
+        if step < self.step_count:
+            raise ValueError(f"step must be >= step_count={self.step_count}, got {step}")
+        return [plan for first, plan in self.plans if first <= step][-1]
+
+    def record_draw(self, step, plan, rank):
+        self.draws[step] = (plan, rank)
+
+    def forget_draws(self):
+        self.forgotten += 1
+        self.draws.clear()
+
+    def lead(self):
+        return max(self.draws, default=self.step_count) - self.step_count
+
+
+def test_a_bound_sampler_switches_plan_at_the_executors_step():
+    even, uneven = Plan(counts=[2, 2]), Plan(counts=[3, 1])
+    single = list(VNBatchSampler(40, 8, Plan(counts=[4]), 0, seed=3))
+    for rank in (0, 1):
+        ex = FakeExecutor(even, rank, changes=[(2, uneven)])
+        got = list(VNBatchSampler(40, 8, executor=ex, seed=3))
+        want = [
+            batch[slice(*(even if step < 2 else uneven).worker_range(rank, 8))]
+            for step, batch in enumerate(single)
+        ]
+        assert got == want  # the same global batches, split under each step's plan
+        assert ex.draws == {step: (even if step < 2 else uneven, rank) for step in range(5)}
+
+
+def test_a_bound_sampler_reports_its_lead_and_resynchronises_on_a_new_iteration():
+    ex = FakeExecutor(Plan(counts=[2, 2]))
+    s = VNBatchSampler(40, 8, executor=ex, seed=3)
+    single = list(VNBatchSampler(40, 8, Plan(counts=[4]), 0, seed=3))
+    it = iter(s)
+    assert ex.forgotten == 1 and ex.draws == {}
+    drawn = [next(it) for _ in range(3)]  # a DataLoader drawing ahead
+    assert ex.lead() == 2
+    ex.step_count = 1  # step 0 ran; the rest of this iteration is abandoned
+    again = list(s)  # starts at step 1: the epoch's batches 0.. for steps 1..
+    assert ex.forgotten == 2 and sorted(ex.draws) == [1, 2, 3, 4, 5]
+    assert again[0] == drawn[0] == single[0][:4]
+    s.set_epoch(1)
+    ex.step_count = 6
+    whole = VNBatchSampler(40, 8, Plan(counts=[4]), 0, seed=3)
+    whole.set_epoch(1)
+    assert list(s) == [batch[:4] for batch in whole]  # epoch 1's order, from step 6 on
+    assert sorted(ex.draws) == [6, 7, 8, 9, 10]
+
+
+def test_bound_step_indices_use_the_plan_of_that_step():
+    even, uneven = Plan(counts=[2, 2]), Plan(counts=[3, 1])
+    ex = FakeExecutor(even, 1, changes=[(7, uneven)])
+    s = VNBatchSampler(40, 8, executor=ex, seed=3)
+    unbound = VNBatchSampler(40, 8, Plan(counts=[4]), 0, seed=3)
+    for step in (0, 6, 7, 12):
+        batch = unbound.step_indices(step)[0]
+        plan = even if step < 7 else uneven
+        assert s.step_indices(step) == (batch[slice(*plan.worker_range(1, 8))], 8)
+        assert ex.draws[step] == (plan, 1)
+    ex.step_count = 8
+    with pytest.raises(ValueError, match="step must be >= step_count=8"):
+        s.step_indices(7)
+
+
+def test_bind_follows_another_executor_and_an_unbound_sampler_says_what_is_missing():
+    s = VNBatchSampler(40, 8, seed=3)
+    for call in (lambda: iter(s), lambda: s.step_indices(0), lambda: len(s), lambda: s.plan):
+        with pytest.raises(RuntimeError, match=r"neither a plan nor an executor.*bind\(ex\)"):
+            call()
+    first, second = FakeExecutor(Plan(counts=[2, 2]), 0), FakeExecutor(Plan(counts=[1, 3]), 1)
+    s.bind(first)
+    assert (s.plan, s.rank, s.executor, len(s)) == (Plan(counts=[2, 2]), 0, first, 5)
+    s.bind(second)
+    assert (s.plan, s.rank, s.executor) == (Plan(counts=[1, 3]), 1, second)
+    assert (
+        s.step_indices(0)[0]
+        == VNBatchSampler(40, 8, Plan(counts=[1, 3]), 1, seed=3).step_indices(0)[0]
+    )
+    assert second.draws and not first.draws
+    # An unbound sampler bound later follows the executor, not its own plan.
+    unbound = VNBatchSampler(40, 8, Plan(counts=[4]), 0, seed=3)
+    unbound.bind(first)
+    assert unbound.plan == Plan(counts=[2, 2]) and len(next(iter(unbound))) == 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"plan": Plan(counts=[2, 2]), "rank": 0, "executor": "ex"},
+            ValueError,
+            "either plan .with rank. or executor, not both",
+        ),
+        ({"rank": 0, "executor": "ex"}, ValueError, "rank=0 was given with executor"),
+        ({"rank": 1}, ValueError, "rank=1 was given without a plan"),
+        (
+            {"executor": object()},
+            TypeError,
+            "executor must be a vflow.Executor .* without step_count",
+        ),
+        ({"plan": Plan(counts=[2, 2])}, TypeError, "rank must be an int, got NoneType"),
+    ],
+)
+def test_bound_constructor_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        VNBatchSampler(40, 8, **kwargs)
+
+
+def test_bind_errors_leave_the_sampler_unchanged():
+    s = VNBatchSampler(40, 8, Plan(counts=[2, 2]), 1, seed=3)
+    before = list(s)
+    with pytest.raises(TypeError, match="executor must be a vflow.Executor"):
+        s.bind(object())
+    with pytest.raises(ValueError, match="batch_size=8 is smaller than the plan's"):
+        s.bind(FakeExecutor(Plan(counts=[5, 4])))
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
+        s.bind(FakeExecutor(Plan(counts=[2, 2]), rank=2))
+    assert s.executor is None and (s.plan, s.rank) == (Plan(counts=[2, 2]), 1)
+    assert list(s) == before
+    bound = VNBatchSampler(40, 8, executor=FakeExecutor(Plan(counts=[2, 2])))
+    with pytest.raises(RuntimeError, match="bound to an executor: it follows the executor's plan"):
+        bound.set_plan(Plan(counts=[3, 1]), 0)
+
+
+def test_a_bound_sampler_in_a_dataloader_follows_plan_changes():
+    even, uneven = Plan(counts=[2, 2]), Plan(counts=[3, 1])
+    ex = FakeExecutor(even, 0)
+    data = TensorDataset(torch.arange(40))
+    seen = []
+    for (batch,) in DataLoader(data, batch_sampler=VNBatchSampler(40, 8, executor=ex, seed=3)):
+        seen.append(len(batch))
+        assert ex.lead() == 0  # lazy: each batch drawn just before its step
+        ex.step_count += 1
+        if ex.step_count == 2:
+            ex.plans.append((2, uneven))  # the executor re-planned after step 1
+    assert seen == [4, 4, 6, 6, 6]

@@ -270,6 +270,22 @@ def test_grow_without_deterministic_mode_is_within_rounding(
         job.kill()
 
 
+def test_an_automatic_plan_with_a_bound_sampler_trains_bitwise_as_one_process(job: Job) -> None:
+    """plan="auto" with one worker 20x slower in compute (tiny next to the step's
+    communication otherwise): the plan changes between steps on its own and the bound
+    sampler (``bind(ex)``, ``step_indices(step)``) follows it and every
+    worker set."""
+    steps = 40
+    job.start("a", "--auto", steps=steps)
+    job.wait_steps("a", 3)
+    job.start("b", "--auto", "--slow", "20", steps=steps)
+    assert job.wait() == {"a": 0, "b": 0}, job.stderr("a")
+    _assert_same_training(job, steps)
+    assert "grow" in _reasons(job, "a")
+    counts = {tuple(line["counts"]) for line in job.steps("a") if line["workers"] == 2}
+    assert len(counts) > 1, f"the automatic planner never re-planned: {counts}"
+
+
 def test_a_worker_asked_to_leave_finishes_its_step_and_the_others_go_on(job: Job) -> None:
     job.workers = 3
     job.start("a")

@@ -18,22 +18,28 @@ def _profile(rank: int, vns: list[int]) -> WorkerProfile:
 
 
 def _encode(
-    layout: StatsLayout, vns: list[int], kind: str, rank: int, profile: bool, signal: int = 0
+    layout: StatsLayout,
+    vns: list[int],
+    kind: str,
+    rank: int,
+    profile: bool,
+    signal: int = 0,
+    lead: int = 0,
 ):
     losses = [torch.tensor(1.0 / (vn + 3), requires_grad=True) * 1.0 for vn in vns]
     weights = [0.1 * (vn + 1) for vn in vns]
     items: list[torch.Tensor | float] = [float(10 + vn) for vn in vns]
     previous = _profile(rank, vns) if profile else None
     return layout.encode(
-        vns, losses, weights, kind, items, previous, rank, signal, torch.device("cpu")
+        vns, losses, weights, kind, items, previous, rank, signal, lead, torch.device("cpu")
     )
 
 
 def test_sums_over_workers_decode_to_vn_order_totals_and_profiles() -> None:
     layout = StatsLayout(V, W)
-    assert layout.numel == 6 * V + 2 + 7 * W
-    a = _encode(layout, [0, 1, 2], "sum", 0, True, signal=0)
-    b = _encode(layout, [3, 4], "sum", 1, True, signal=5)
+    assert layout.numel == 6 * V + 2 + 8 * W
+    a = _encode(layout, [0, 1, 2], "sum", 0, True, signal=0, lead=3)
+    b = _encode(layout, [3, 4], "sum", 1, True, signal=5, lead=0)
     stats = layout.decode(a + b)
     want_loss = 0.0
     for vn in range(V):
@@ -44,6 +50,7 @@ def test_sums_over_workers_decode_to_vn_order_totals_and_profiles() -> None:
     assert stats.profile is not None and stats.profile.step == 7
     assert stats.profile.workers == (_profile(0, [0, 1, 2]), _profile(1, [3, 4]))
     assert stats.signals == (0, 5)  # each worker's word in its own slot, by rank
+    assert stats.leads == (3, 0)  # each worker's data lead in its own slot, by rank
 
 
 def test_no_profile_until_every_worker_sent_one() -> None:
@@ -59,7 +66,7 @@ def test_invalid_item_counts_are_counted_on_the_device() -> None:
     losses = [torch.tensor(1.0, requires_grad=True) * 1.0 for _ in range(2)]
     items = [torch.tensor(-1.0), torch.tensor(float("nan"))]
     stats = layout.decode(
-        layout.encode([0, 1], losses, [1.0, 1.0], "sum", items, None, 0, 0, torch.device("cpu"))
+        layout.encode([0, 1], losses, [1.0, 1.0], "sum", items, None, 0, 0, 0, torch.device("cpu"))
     )
     assert stats.bad_items == 2
 
@@ -71,7 +78,7 @@ def test_single_worker_totals_equal_the_statistics_path(v: int) -> None:
     weights = [(vn % 3 + 1) / 7 for vn in range(v)]
     via_stats = layout.decode(
         layout.encode(
-            list(range(v)), losses, weights, "mean", [0.0] * v, None, 0, 0, torch.device("cpu")
+            list(range(v)), losses, weights, "mean", [0.0] * v, None, 0, 0, 0, torch.device("cpu")
         )
     )
     loss_total, items_total, bad = local_totals(losses, weights, None)

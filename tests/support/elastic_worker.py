@@ -6,6 +6,7 @@ stop itself at an exact place of a step.
         [--out FILE] [--deterministic] [--workers K] [--sleep SECONDS]
         [--fault POINT --fault-step S] [--leave-step S] [--sigterm-step S]
         [--min-workers K] [--timeout S] [--last-call S] [--checkpoint FILE]
+        [--auto] [--slow FACTOR]
 
 Until this worker has seen ``--workers`` workers in its worker set, it sleeps
 ``--sleep`` seconds per step, so that the others can join before the job ends; from
@@ -25,8 +26,13 @@ stderr gets the ``vflow`` logger from DEBUG up and everything else from WARNING 
 ``LEVEL name: message``, so that the tests can check what a recovery logs at which
 level.
 
+``--auto`` trains with ``plan="auto"``; ``--slow`` makes this worker's compute that
+many times slower (vflow.planning.emulation.SlowDown). The data comes from a
+``VNBatchSampler`` bound to the current executor (``bind(ex)``, then
+``step_indices(step)``), so it follows every plan and worker set.
+
 The log file gets one JSON line per committed step ({"step", "rank", "workers",
-"indices"}) and a last line {"events": [...], "step": ...}. The lowest-ranked worker
+"counts", "indices"}) and a last line {"events": [...], "step": ...}. The lowest-ranked worker
 writes ``--out`` at the end: {"model", "optimizer", "step"}.
 """
 
@@ -45,6 +51,7 @@ import torch
 
 import vflow
 from vflow import elastic
+from vflow.planning.emulation import SlowDown
 from vflow.world import membership
 from vflow.world.group import use_loopback_for_gloo
 
@@ -151,6 +158,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sigterm-step", type=int)
     parser.add_argument("--leave-step", type=int)
     parser.add_argument("--virtual-nodes", type=int, default=V)
+    parser.add_argument("--auto", action="store_true")
+    parser.add_argument("--slow", type=float, default=1.0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("vflow").setLevel(logging.DEBUG)
@@ -162,12 +171,14 @@ def main(argv: list[str]) -> int:
 
     def make_executor(group: Any, timeout: float) -> vflow.Executor:
         model, optimizer = build()
+        loss_fn = make_loss(faults)
         ex = vflow.Executor(
             model,
             optimizer,
-            make_loss(faults),
+            SlowDown(loss_fn, args.slow) if args.slow > 1 else loss_fn,
             args.virtual_nodes,
             seed=SEED,
+            plan="auto" if args.auto else None,
             process_group=group,
             timeout=timeout,
             deterministic=args.deterministic,
@@ -185,7 +196,7 @@ def main(argv: list[str]) -> int:
         optimizer.register_step_pre_hook(lambda *_: faults.hit("optimizer"))
         return ex
 
-    sampler = vflow.VNBatchSampler(SAMPLES, B, vflow.Plan.even(args.virtual_nodes, 1), 0, seed=SEED)
+    sampler = vflow.VNBatchSampler(SAMPLES, B, seed=SEED)  # bound to each step's executor
     local_steps = {"n": 0}
 
     full = {"since": None}  # steps run before the worker set first had --workers
@@ -204,10 +215,17 @@ def main(argv: list[str]) -> int:
         if full["since"] is None:
             time.sleep(args.sleep)
         faults.hit("start")
-        sampler.set_plan(ex.plan, ex.rank)
+        sampler.bind(ex)  # a newcomer's executor is a new one
         indices, size = sampler.step_indices(step)
+        counts = list(ex.plan.counts)
         result = ex.step((x[indices], y[indices]), global_batch_size=size)
-        record = {"step": step, "rank": ex.rank, "workers": ex.world_size, "indices": indices}
+        record = {
+            "step": step,
+            "rank": ex.rank,
+            "workers": ex.world_size,
+            "counts": counts,
+            "indices": indices,
+        }
         log.write(json.dumps(record) + "\n")
         return result
 

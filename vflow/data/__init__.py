@@ -6,6 +6,6 @@ May import: vflow.mapping.
 """
 
 from vflow.data.prefetch import VNTransform
-from vflow.data.sampler import VNBatchSampler
+from vflow.data.sampler import PlanFollower, VNBatchSampler
 
-__all__ = ["VNBatchSampler", "VNTransform"]
+__all__ = ["PlanFollower", "VNBatchSampler", "VNTransform"]

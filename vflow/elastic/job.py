@@ -16,8 +16,10 @@ runs, it joins)::
         return vflow.Executor(model, optimizer, loss_fn, V, seed,
                               process_group=group, timeout=timeout, deterministic=True)
 
+    sampler = vflow.VNBatchSampler(len(dataset), B, seed=seed)
+
     def train_step(ex, step):  # step: the global batch index, from the step count
-        sampler.set_plan(ex.plan, ex.rank)
+        sampler.bind(ex)  # follows this step's executor: its plan and rank
         indices, size = sampler.step_indices(step)
         return ex.step(dataset[indices], global_batch_size=size)
 

@@ -40,7 +40,7 @@ from vflow.data.vn_batches import VNBatchSource
 from vflow.mapping import rng
 from vflow.mapping.batching import Batch
 from vflow.mapping.plan import Plan, VNSlice
-from vflow.planning.auto_plan import AutoPlan, PlanChange
+from vflow.planning.auto_plan import AutoPlan, PlanChange, PlanDecision
 from vflow.planning.profile import StepProfile, WorkerProfile
 from vflow.runtime import inference, training_state
 from vflow.runtime.amp import LossScaler
@@ -57,6 +57,28 @@ from vflow.world import membership
 from vflow.world.group import World, check_plan, default_plan, resolve_group, to_timedelta
 
 LossFn = Callable[[torch.nn.Module, Batch], Any]
+
+# Note [Plan changes wait for the data]
+# A sampler bound to the executor (vflow.data.VNBatchSampler, Note [Data follows the
+# plan]) splits each global batch under ``plan_for_step`` of its step and reports the
+# draw (``record_draw``). A DataLoader with num_workers > 0 draws ahead of the batches
+# it returns, so a plan change may only take effect at a step whose indices no rank has
+# drawn yet; until then it waits in ``_pending`` as (first step, plan).
+# * Each rank's data lead (steps beyond the current one its sampler has drawn) rides in
+#   the step's statistics, so every rank knows the largest one after the step: an
+#   automatic decision after step s takes effect at s + 1 + that lead, the same step on
+#   every rank. No new decision is taken while a change waits.
+# * ``set_plan`` gathers every rank's last drawn step and takes effect after it.
+# * ``reconfigure`` cannot wait (the old workers may be gone): batches drawn ahead under
+#   the old plan no longer fit, and ``step`` refuses them before changing anything.
+
+
+@dataclasses.dataclass(frozen=True)
+class _PendingPlan:
+    first_step: int  # the first step run under plan
+    plan: Plan
+    prepared: object  # reduction.prepare_world(plan, rank)
+    reset_auto: bool  # set_plan's change: the automatic plan starts over under it
 
 
 _log = logging.getLogger("vflow")
@@ -207,6 +229,10 @@ class Executor:
         self.step_count = 0
         self.skipped_steps = 0
         self._signal = 0
+        # Note [Plan changes wait for the data]: changes not yet in force, by first
+        # step, and the plan and rank each drawn step's batch was split under.
+        self._pending: list[_PendingPlan] = []
+        self._draws: dict[int, tuple[Plan, int]] = {}
         self._last_result: StepResult | None = None
         self._warned_training_mode = False
         self._gathered_profile: StepProfile | None = None
@@ -315,15 +341,70 @@ class Executor:
         With a process group this is a collective: every rank must call it between the
         same two steps with the same plan (checked; on a mismatch every rank raises and
         keeps its old plan).
+
+        When a sampler bound to this executor (``VNBatchSampler(..., executor=ex)``) has
+        drawn batches of later steps already (a DataLoader with ``num_workers > 0``
+        draws ahead), those steps keep the plan they were drawn under: the new plan
+        takes effect at the first step no rank has drawn (``plan_for_step`` tells which
+        plan a step runs under). Otherwise — the common case — from the next step on.
         """
         self._check_open()
         plan = self._checked_plan(plan, self.virtual_nodes, self.world_size)
         prepared = self._grads.reduction.prepare_world(plan, self.rank)
         membership.check_agreement(self._world, [membership.Column("plan", repr(plan), repr(plan))])
-        self._grads.reduction.apply_world(prepared)
-        self._plan = plan
+        drawn = self._world.gather_ints(
+            [self._last_drawn()], "gather of the drawn data positions", self.step_count
+        )
+        first_step = 1 + max(row[0] for row in drawn)
         if self._auto is not None:
             self._auto.reset()  # profiles of the new plan from now on
+        # A later change replaces those that would start at or after it.
+        self._pending = [p for p in self._pending if p.first_step < first_step]
+        self._pending.append(_PendingPlan(first_step, plan, prepared, reset_auto=True))
+        self._apply_due_plans()
+
+    def plan_for_step(self, step: int) -> Plan:
+        """The plan step ``step`` runs under (``step >= step_count``): ``plan`` for the
+        next step, or a change waiting for batches drawn ahead (Note [Plan changes
+        wait for the data])."""
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step must be an int, got {type(step).__name__}")
+        if step < self.step_count:
+            raise ValueError(
+                f"step must be >= step_count={self.step_count} (the next step to run); step "
+                f"{step} has run already"
+            )
+        plan = self._plan
+        for pending in self._pending:
+            if pending.first_step <= step:
+                plan = pending.plan
+        return plan
+
+    def record_draw(self, step: int, plan: Plan, rank: int) -> None:
+        """Called by a bound VNBatchSampler: it drew this worker's indices of step
+        ``step`` under ``plan`` as ``rank``. Plan changes wait until the drawn steps
+        have run (Note [Plan changes wait for the data])."""
+        if step >= self.step_count:
+            self._draws[step] = (plan, rank)
+
+    def forget_draws(self) -> None:
+        """Called by a bound VNBatchSampler when a new iteration starts at
+        ``step_count``: the batches an abandoned iteration drew ahead will not run."""
+        self._draws.clear()
+
+    def _last_drawn(self) -> int:
+        """The last step whose batch this worker's sampler has drawn (step_count - 1
+        when none of the coming steps is drawn)."""
+        return max(self._draws, default=self.step_count - 1)
+
+    def _apply_due_plans(self) -> None:
+        """Puts in force the changes whose first step is the next step."""
+        while self._pending and self._pending[0].first_step <= self.step_count:
+            pending = self._pending.pop(0)
+            self._grads.reduction.apply_world(pending.prepared)
+            self._plan = pending.plan
+            if pending.reset_auto and self._auto is not None:
+                self._auto.reset()  # profiles of the new plan from now on
 
     def reconfigure(
         self,
@@ -384,6 +465,9 @@ class Executor:
         self.config = config
         self._world = world
         self._plan = plan
+        # Cannot wait for drawn batches: the old worker set may be gone. ``step`` refuses
+        # batches drawn under the old plan (Note [Plan changes wait for the data]).
+        self._pending = []
         self._stats = StatsLayout(self.virtual_nodes, world.size)
         self._own_profile = None
         self._gathered_profile = None
@@ -459,6 +543,8 @@ class Executor:
         raised by ``optimizer.step()`` itself propagates with the module buffers restored.
         """
         self._check_open()
+        if global_batch_size is not None:
+            self._check_drawn_plan()
         slices, total = self._plan.local_slices(self.rank, batch, global_batch_size)
         clock = StepClock(self._device)
         start = clock.mark()
@@ -474,6 +560,7 @@ class Executor:
             self.seed,
             self.step_count,
             self._signal,
+            max(0, self._last_drawn() - self.step_count),
             self._own_profile,
             1.0 if self.scaler is None else self.scaler.scale,
             self.skip_nonfinite,
@@ -521,25 +608,53 @@ class Executor:
             if run.gathered_profile is not None:
                 self._gathered_profile = run.gathered_profile
         self.step_count += 1
-        if self._auto is not None and run.gathered_profile is not None:
-            self._follow_auto_plan(run.gathered_profile, total)
+        self._draws = {k: v for k, v in self._draws.items() if k >= self.step_count}
+        self._apply_due_plans()
+        if self._auto is not None and run.gathered_profile is not None and not self._pending:
+            self._follow_auto_plan(run.gathered_profile, total, max(run.leads))
         return result
 
-    def _follow_auto_plan(self, profile: StepProfile, batch_size: int) -> None:
+    def _check_drawn_plan(self) -> None:
+        """Raises, changing nothing, when this step's local batch was drawn under
+        another plan or rank than the step runs under (only after ``reconfigure``:
+        other changes wait for the drawn batches)."""
+        drawn = self._draws.get(self.step_count)
+        if drawn is None or drawn == (self._plan, self.rank):
+            return
+        plan, rank = drawn
+        raise ValueError(
+            f"the batch of step {self.step_count} was drawn under {plan!r} as rank {rank}, "
+            f"but step {self.step_count} runs under {self._plan!r} as rank {self.rank}: "
+            "a DataLoader drew it ahead before the worker set changed (reconfigure). "
+            "Start a new DataLoader iterator after a change of worker set (a bound "
+            "VNBatchSampler then splits the batches under the new plan)"
+        )
+
+    def _follow_auto_plan(self, profile: StepProfile, batch_size: int, lead: int) -> None:
         """Note [Automatic plans]: every rank decides the same from the same profile,
-        so the new plan needs no agreement round."""
+        so the new plan needs no agreement round. It takes effect after the batches any
+        rank has drawn (``lead`` steps beyond the one that ran; Note [Plan changes wait
+        for the data])."""
         assert self._auto is not None
-        new = self._auto.observe(profile, self._plan, batch_size, self.step_count)
+        first_step = self.step_count + lead
+        new = self._auto.observe(profile, self._plan, batch_size, first_step)
         if new is None:
             return
         prepared = self._grads.reduction.prepare_world(new, self.rank)
-        self._grads.reduction.apply_world(prepared)
-        self._plan = new
+        self._pending.append(_PendingPlan(first_step, new, prepared, reset_auto=False))
+        self._apply_due_plans()
 
     @property
     def plan_history(self) -> list[PlanChange]:
         """The automatic plan changes (``plan="auto"``), oldest first; empty otherwise."""
         return [] if self._auto is None else list(self._auto.history)
+
+    @property
+    def plan_decisions(self) -> list[PlanDecision]:
+        """Every time the automatic planner weighed a plan against the current one,
+        taken or not, with its predicted gain and the noise band it had to beat (Note
+        [Automatic plans]); oldest first, empty without ``plan="auto"``."""
+        return [] if self._auto is None else list(self._auto.decisions)
 
     @property
     def last_profile(self) -> StepProfile | None:
@@ -635,6 +750,11 @@ class Executor:
         self.step_count = progress.step_count
         self.skipped_steps = progress.skipped_steps
         self.config = self.config.with_seed(progress.seed)
+        # The data position moved with the step count: batches drawn before belong to
+        # other steps, and a waiting change may be due (Note [Plan changes wait for the
+        # data]).
+        self._draws.clear()
+        self._apply_due_plans()
 
     def _state_target(self) -> training_state.Target:
         return training_state.Target(self.model, self.optimizer, self.scaler, self.virtual_nodes)

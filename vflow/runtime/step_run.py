@@ -61,6 +61,7 @@ class StepInputs:
     seed: int
     step: int
     signal: int
+    lead: int  # steps beyond this one whose batches this worker's sampler has drawn
     own_profile: WorkerProfile | None  # the previous step's, sent with this one
     loss_scale: float  # 1.0 without loss scaling
     skip_nonfinite: bool
@@ -91,6 +92,7 @@ class StepRun:
         self.stats_wait = 0.0
         self.gathered_profile: StepProfile | None = None
         self.signals: tuple[int, ...] = (inputs.signal,)
+        self.leads: tuple[int, ...] = (inputs.lead,)
         self.after_vns: Any = None
         self.after_reduce: Any = None
         self.profiling = torch.autograd._profiler_enabled()
@@ -142,6 +144,7 @@ class StepRun:
                             inputs.own_profile,
                             inputs.world.rank,
                             inputs.signal,
+                            inputs.lead,
                             inputs.world.device,
                         )
                     )
@@ -165,6 +168,7 @@ class StepRun:
             sum_workers, bad_items = stats.sum_workers, stats.bad_items
             self.gathered_profile = stats.profile
             self.signals = stats.signals
+            self.leads = stats.leads
         else:
             loss_total, items_total, bad_items = local_totals(
                 self.losses, self.weights, self.items if self.kind == "sum" else None

@@ -13,6 +13,9 @@ Layout, for V virtual nodes and W workers::
     [6V+2, 6V+2+6W) the previous step's profile, per worker: present, step, compute,
                     exposed communication, optimizer and step seconds
     [6V+2+6W, 6V+2+7W) each worker's signal word (``Executor.signal``)
+    [6V+2+7W, 6V+2+8W) each worker's data lead: the steps beyond this one whose
+                    batches its bound sampler has drawn (Note [Plan changes wait for
+                    the data], vflow/runtime/executor.py)
 
 Every value sits in a slot of its own — a VN's, or a worker's — and is zero on every
 other worker, so the sum over workers only ever adds zeros to a value: exact in any
@@ -42,6 +45,7 @@ class GlobalStats:
     bad_items: float  # VNs with an invalid num_items, all workers
     profile: StepProfile | None  # every worker's previous step
     signals: tuple[int, ...]  # every worker's signal word, by rank
+    leads: tuple[int, ...]  # every worker's data lead, by rank
 
 
 class StatsLayout:
@@ -53,7 +57,8 @@ class StatsLayout:
         self._profile_vns = 2 * virtual_nodes + 2
         self._profile_workers = self._profile_vns + _VN_ROWS * virtual_nodes
         self._signals = self._profile_workers + _WORKER_FIELDS * world_size
-        self.numel = self._signals + world_size
+        self._leads = self._signals + world_size
+        self.numel = self._leads + world_size
 
     def encode(
         self,
@@ -65,6 +70,7 @@ class StatsLayout:
         previous: WorkerProfile | None,
         rank: int,
         signal: int,
+        lead: int,
         device: torch.device,
     ) -> torch.Tensor:
         """This worker's statistics on ``device``. Losses and items stay on their
@@ -77,6 +83,7 @@ class StatsLayout:
         if previous is not None:
             self._put_profile(host, previous)
         host[self._signals + rank] = float(signal)
+        host[self._leads + rank] = float(lead)
         stats = torch.tensor(host, dtype=torch.float64, device=loss_device)
         index = torch.tensor(vns, device=loss_device)
         stats[index] = _stack_double(losses) * torch.tensor(
@@ -120,6 +127,7 @@ class StatsLayout:
             loss_total += values[vn]
             items_total += values[v + vn]
         signals = tuple(int(x) for x in values[self._signals : self._signals + self.world_size])
+        leads = tuple(int(x) for x in values[self._leads : self._leads + self.world_size])
         return GlobalStats(
             loss_total,
             items_total,
@@ -127,6 +135,7 @@ class StatsLayout:
             values[2 * v + 1],
             self._profile(values),
             signals,
+            leads,
         )
 
     def _profile(self, values: list[float]) -> StepProfile | None:
