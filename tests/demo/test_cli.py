@@ -66,7 +66,7 @@ def test_the_demo_runs_the_scenario_last_and_fails_with_it(
         assert calls == []
     else:
         assert calls == [
-            {"epochs": 1, "virtual_nodes": 8, "lr": 0.05, "seed": 0, "timeout": 600.0,
+            {"epochs": 1, "virtual_nodes": 12, "lr": 0.05, "seed": 0, "timeout": 600.0,
              "batch_size": 64}
         ]  # fmt: skip
 

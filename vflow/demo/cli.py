@@ -51,7 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--batch-size", type=int, default=64, help="global batch B (default: 64)")
     parser.add_argument(
-        "--virtual-nodes", type=int, default=8, help="virtual nodes V per step (default: 8)"
+        "--virtual-nodes",
+        type=int,
+        default=12,
+        help="virtual nodes V per step (default: 12, which whole VNs can split 2:1 "
+        "exactly for the heterogeneous row)",
     )
     parser.add_argument(
         "--mappings",
@@ -238,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                 "param_diff_per_step": o.param_diff_per_step,
                 "step_seconds": o.step_seconds,
                 "plan_changes": o.plan_changes,
+                "plan_decisions": o.plan_decisions,
             }
             for o in outcomes
         ],

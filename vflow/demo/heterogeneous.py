@@ -73,12 +73,27 @@ def _plan_path(outcome: Outcome) -> str:
     return path
 
 
+def changes_after_warmup(outcome: Outcome) -> int:
+    """Plan changes other than the first plan from the warm-up's profiles."""
+    return sum(1 for change in outcome.plan_changes if change["reason"] != "profiled")
+
+
+def _decisions_line(outcome: Outcome) -> str:
+    if not outcome.plan_changes and outcome.plan_decisions:
+        return (
+            f'plan="auto" stayed on the even plan ({outcome.plan_decisions[-1]}): the gain '
+            "the model predicts is not larger than the step time's noise"
+        )
+    return 'plan="auto" decisions: ' + ("; ".join(outcome.plan_decisions) or "none")
+
+
 def table(outcomes: list[Outcome], virtual_nodes: int) -> str:
     """The heterogeneous runs side by side: plans, steady throughput, gain over even,
-    and the bounds at the speeds set and at the speeds measured in the even run."""
+    the automatic planner's decisions, and the bounds at the speeds set and at the
+    speeds measured in the even run."""
     even = next(o for o in outcomes if not o.run.auto_plan)
     headers = ["run", "ms per VN by worker", "steady step ms", "samples/s", "vs even plan",
-               "max |param diff| vs first", "plans"]  # fmt: skip
+               "max |param diff| vs first", "plans", "changes after warm-up"]  # fmt: skip
     rows = []
     for o in outcomes:
         step_s = steady_step_seconds(o)
@@ -87,11 +102,13 @@ def table(outcomes: list[Outcome], virtual_nodes: int) -> str:
             f"{1e3 * step_s:.1f}", f"{o.run.global_batch / step_s:.0f}",
             f"{steady_step_seconds(even) / step_s:.2f}x",
             f"{o.max_param_diff:.2e}" if o.max_param_diff else "0", _plan_path(o),
+            str(changes_after_warmup(o)) if o.run.auto_plan else "-",
         ])  # fmt: skip
     lines = [
         "heterogeneous workers, EMULATED (vflow.planning.SlowDown: worker w waits to run "
         f"{list(SLOWDOWN)} times slower); steady = median over the last half of the steps",
         format_table(headers, rows),
+        *(_decisions_line(o) for o in outcomes if o.run.auto_plan),
         f"bounds over the even plan, compute only (communication and the optimizer do not "
         f"shrink): speeds {speeds_label()} as set: "
         f"{compute_bound_gain(virtual_nodes, SLOWDOWN):.2f}x, "

@@ -68,6 +68,9 @@ class Outcome:
     # plan="auto": per change, the first step under the new plan, its counts, why, and
     # the predicted step time of the old plan over the new one.
     plan_changes: list[dict[str, Any]] = field(default_factory=list)
+    # plan="auto": every time the planner weighed a plan, taken or not, in words
+    # (vflow.PlanDecision.describe), with the step it was for.
+    plan_decisions: list[str] = field(default_factory=list)
     # Per worker, the median seconds of one VN's forward and backward (vflow runs).
     vn_seconds: list[float] = field(default_factory=list)
 
@@ -201,6 +204,7 @@ def _train(
              "predicted_gain": c.predicted_old_s / c.predicted_new_s}
             for c in ex.plan_history
         ]  # fmt: skip
+        outcome.plan_decisions = [f"step {d.step}: {d.describe()}" for d in ex.plan_decisions]
         ex.close()
     outcome.test_accuracy = accuracy(model, x_test, y_test)
     # numpy, not torch: the result is pickled, and numpy arrays pickle as plain data.
