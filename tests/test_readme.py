@@ -150,6 +150,8 @@ model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Li
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 loss_fn = lambda model, batch: torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
 loader = [(torch.randn(48, 8), torch.randint(0, 4, (48,))) for _ in range(3)]
+dataset = torch.utils.data.TensorDataset(torch.randn(96, 8), torch.randint(0, 4, (96,)))
+B = 48
 x_test = torch.randn(10, 8)
 epoch = 0
 """
