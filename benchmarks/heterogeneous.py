@@ -183,6 +183,7 @@ def _speeds_rank(rank: int, world_size: int, cfg: Config, factors: list[float]) 
             (c.step, c.reason, list(c.new.counts), c.predicted_old_s, c.predicted_new_s)
             for c in auto.plan_history
         ],
+        "decisions": [f"step {d.step}: {d.describe()}" for d in auto.plan_decisions],
     }
 
 
@@ -348,6 +349,7 @@ def summarize_speeds(b: int, factors: list[float], first: dict[str, Any]) -> dic
         "planned_at": first["planned_at"],
         "account": account(first["auto_account"], calibrated),
         "history": first["history"],
+        "decisions": first["decisions"],
         "even_times_s": first["even_times_s"],
         "auto_times_s": first["auto_times_s"],
     }
@@ -551,6 +553,7 @@ def print_results(results: dict[str, Any]) -> None:
             )
         )
         notes.append(account_note(name, results["config"]["batch_size"], r))
+        notes.append(f'{name}: plan="auto" decisions: ' + "; ".join(r["decisions"]))
     s = results["straggler"]
     steps = s["steps_to_replan"]
     print()

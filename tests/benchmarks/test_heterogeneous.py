@@ -79,6 +79,7 @@ def _rank0(
             "vns": [100] * len(rates),
         },
         "history": [],
+        "decisions": ["step 6: moved to [8, 4] gains 1.40x (20 ms), beats the noise band (3 ms)"],
     }
 
 
