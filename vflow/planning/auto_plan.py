@@ -19,11 +19,14 @@ at the same step, without an agreement round.
   least ``min_gain`` of the current plan's predicted step, and at least ``noise_sigmas``
   standard errors of the difference of two step times averaged over the n profiles it
   was decided from: ``step_noise_s * sqrt(2 / n)``, the noise (``planner.step_noise_s``)
-  measured on every profile kept of the current plan. A gain smaller than
+  measured on the last ``NOISE_WINDOW`` profiles of any plan (a robust estimate from
+  consecutive differences: a change of plan or a short stall is one or two outliers
+  there, not noise). A gain smaller than
   that cannot be told from the step time's own wandering, and taking it is how plans
   oscillate; refusing it is the hysteresis that keeps a plan. A first proposal refused
   this way is weighed again on 2 and 4 times ``warmup`` profiles (``WARMUP_LOOKS``),
-  where the band is narrower; then the plan stays. Every decision, taken or not, is
+  where the band is narrower, while the drift rule below already watches; then the
+  plan stays. Every decision, taken or not, is
   kept in ``decisions`` with its predicted gain and its band.
 * After a change, once ``warmup`` profiles of the new plan are in (or as many as the
   drift rule's back-off asks, below), the plan is weighed once more on them
@@ -76,6 +79,8 @@ _log = logging.getLogger("vflow")
 # steps (in units of patience) without a change after which the factor halves.
 MAX_BACKOFF = 8
 RECOVERY_STEPS = 25
+# Note [Automatic plans]: the profiles, of any plan, the step time's noise is measured on.
+NOISE_WINDOW = 16
 # Note [Automatic plans]: how many windows (warmup, 2 warmup, 4 warmup profiles) the first
 # plan is weighed on while its gain is within the noise band.
 WARMUP_LOOKS = 3
@@ -176,7 +181,7 @@ class AutoPlan:
         *,
         warmup: int = 4,
         threshold: float = 0.15,
-        patience: int = 2,
+        patience: int = 3,
         min_gain: float = 0.05,
         noise_sigmas: float = 2.0,
         max_vn_size: Sequence[int | None] | None = None,
@@ -212,9 +217,14 @@ class AutoPlan:
         self.max_vn_size = None if max_vn_size is None else list(max_vn_size)
         self.history: list[PlanChange] = []
         self.decisions: list[PlanDecision] = []
-        self._looks = tuple(warmup * 2**k for k in range(WARMUP_LOOKS))
+        # Windows (sizes of _recent) at which a refused first plan is weighed again.
+        self._looks: tuple[int, ...] = ()
+        # Every profile seen lately, of any plan: the step time's noise is measured on
+        # these, so that a change of plan (one jump) or a short stall (two) does not
+        # widen or narrow the band.
+        self._noise_window: deque[StepProfile] = deque(maxlen=NOISE_WINDOW)
         self._recent: deque[StepProfile] = deque(
-            maxlen=max(self._looks[-1], patience * MAX_BACKOFF)
+            maxlen=max(warmup * 2 ** (WARMUP_LOOKS - 1), patience * MAX_BACKOFF)
         )
         self._planned = False
         self._seen_first = False
@@ -258,6 +268,8 @@ class AutoPlan:
     def reset(self) -> None:
         """Forgets the profiles (a new worker set: other workers, other speeds)."""
         self._recent.clear()
+        self._noise_window.clear()
+        self._looks = ()
         self._planned = False
         self._seen_first = False
         self._settling = False
@@ -286,18 +298,12 @@ class AutoPlan:
             self._seen_first = True
             return None
         self._recent.append(profile)
+        self._noise_window.append(profile)
         if not self._planned:
-            # Decides on warmup, 2 warmup and 4 warmup profiles: a gain that the first
-            # window could not tell from noise is weighed again on more steps, where
-            # the noise band is narrower, a few times only.
-            window = len(self._recent)
-            if window not in self._looks:
+            if len(self._recent) < self.warmup:
                 return None
-            new = self._decide(list(self._recent), plan, batch_size, next_step, "profiled")
-            undecided = new is None and self.decisions[-1].proposed != plan
-            if not undecided or window == self._looks[-1]:
-                self._planned = True
-            return new
+            self._planned = True
+            return self._first_look(plan, batch_size, next_step)
         self._quiet_steps += 1
         self._since_change += 1
         if self._backoff > 1 and self._quiet_steps >= self.patience * RECOVERY_STEPS:
@@ -309,6 +315,8 @@ class AutoPlan:
                 return None
             self._settling = False
             return self._decide(list(self._recent), plan, batch_size, next_step, "settled")
+        if self._looks and len(self._recent) == self._looks[0]:
+            return self._first_look(plan, batch_size, next_step)
         predicted = self._predicted_compute
         slowest = max(predicted) if predicted else 0.0
         if slowest > 0 and any(
@@ -324,6 +332,16 @@ class AutoPlan:
         self._drifting = 0
         return self._decide(list(self._recent)[-drifted:], plan, batch_size, next_step, "drift")
 
+    def _first_look(self, plan: Plan, batch_size: int, next_step: int) -> Plan | None:
+        """The first plan, on every profile of the current plan so far; refused within
+        the noise band, it is weighed again on 2 and 4 times as many (the drift rule
+        watches in between)."""
+        new = self._decide(list(self._recent), plan, batch_size, next_step, "profiled")
+        refused = new is None and self.decisions[-1].proposed != plan
+        done = len(self._recent) >= self.warmup * 2 ** (WARMUP_LOOKS - 1)
+        self._looks = () if not refused or done else (2 * len(self._recent),)
+        return new
+
     def _decide(
         self, profiles: list[StepProfile], plan: Plan, batch_size: int, next_step: int, reason: str
     ) -> Plan | None:
@@ -334,9 +352,9 @@ class AutoPlan:
         best = solve(models, plan.virtual_nodes, batch_size, fixed)
         # The standard error of the difference of two step times averaged over the
         # window: what comparing two plans measured for that long could not resolve.
-        # The noise itself is measured on every profile kept of this plan (a drift's
-        # window of two steps says little about it).
-        noise = planner.step_noise_s(list(self._recent)) * math.sqrt(2 / len(profiles))
+        # The noise itself is measured on the last NOISE_WINDOW profiles (a drift's
+        # window of a few steps says little about it).
+        noise = planner.step_noise_s(list(self._noise_window)) * math.sqrt(2 / len(profiles))
         band = max(self.min_gain * current.step_s, self.noise_sigmas * noise)
         taken = best.plan != plan and current.step_s - best.step_s > band
         decision = PlanDecision(
@@ -352,6 +370,7 @@ class AutoPlan:
                 )
             return None
         self._recent.clear()
+        self._looks = ()
         # The speeds were measured under another plan; on shared hardware a worker's
         # speed depends on what the others do, so the new plan is weighed once more on
         # profiles of its own (not after that look's own change: no chain of looks).
