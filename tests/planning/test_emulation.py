@@ -82,20 +82,3 @@ def test_factor_one_never_waits_and_bad_factors_are_named() -> None:
         slow.factor = 0.5
     with pytest.raises(TypeError, match="loss_fn must be callable"):
         SlowDown(None, 2.0)  # type: ignore[arg-type]
-
-
-def test_the_backward_waits_before_any_gradient_exists() -> None:
-    """Note [Waiting before the gradients]: the hooks that start a reduction run after
-    the emulated delay, as on a slow device."""
-    clock = FakeClock()
-    model = _timed_model(clock, forward_s=1.0, backward_s=0.5)
-    slept_when_grad_ready: list[int] = []
-    model.weight.register_hook(lambda grad: slept_when_grad_ready.append(len(clock.slept)))
-    slow = SlowDown(lambda m, b: m(b).sum(), 3.0, clock=clock, sleep=clock.sleep)
-    slow(model, torch.ones(2, 3)).backward()  # no estimate yet: waits at the end
-    assert clock.slept == [2.0, 1.0] and slept_when_grad_ready == [1]
-    slow(model, torch.ones(2, 3)).backward()
-    # Forward 2 s, then the backward's 1 s up front (the last backward's time), before
-    # the weight's gradient; nothing left to settle at the end.
-    assert clock.slept == [2.0, 1.0, 2.0, 1.0] and slept_when_grad_ready == [1, 4]
-    assert clock.now == 2 * 3.0 * (1.0 + 0.5)

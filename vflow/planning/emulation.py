@@ -2,28 +2,18 @@
 
 ``SlowDown(loss_fn, factor)`` makes the worker that uses it ``factor`` times slower in
 compute: after each VN's forward it waits ``factor - 1`` times what the forward took,
-and each VN's backward waits ``factor - 1`` times what the backward takes. So the
-emulated device is slower in proportion to the real work, whatever the VN size, as a
-slower GPU would be.
-
-Note [Waiting before the gradients]
-A slower device has its gradients later, and so starts reducing them later. The
-backward's wait is therefore paid at its start, before any gradient exists (a hook on
-the loss runs first in the backward): ``factor - 1`` times the previous VN's backward
-time, the best estimate there is; when the backward ends (a callback queued on the
-autograd engine) the difference to ``factor - 1`` times its actual time is settled. So
-the hooks that launch the reduction of a VN's buckets run after the emulated delay, as
-on a slow device, and the last VN's reduction is exposed on the emulated worker too.
-(With the wait at the end of the backward instead, the reduction of the last VN ran
-during the wait, which made the slow worker's step look shorter than a slow device's.)
+and after its backward ``factor - 1`` times what the backward took (a callback queued on
+the autograd engine runs when that backward ends). So the emulated device is slower in
+proportion to the real work, whatever the VN size, as a slower GPU would be.
 
 A sleep lasts longer than asked (the timer's slack and the wake-up, ~0.1 ms here), which
 on VNs of a millisecond would make the device markedly slower than ``factor``; the
 surplus is measured and taken off the next wait, so the waits add up to what was asked.
 
-What it does not show: a slower device's communication itself, memory limits, or
-contention between the real and the emulated work. Every table that uses it says
-"emulated".
+What it does not show: a slower device's communication (the reduction of the last
+VN's buckets starts as early as on a fast one, since the hooks that launch it run
+before the wait), memory limits, or contention between the real and the emulated
+work. Every table that uses it says "emulated".
 """
 
 from __future__ import annotations
@@ -57,8 +47,6 @@ class SlowDown:
         self._sleep = sleep
         # Seconds waited beyond what was asked so far (> 0: the next waits are shorter).
         self._surplus = 0.0
-        # The last backward's own time: what the next backward waits for at its start.
-        self._last_backward_s = 0.0
 
     @property
     def factor(self) -> float:
@@ -73,32 +61,23 @@ class SlowDown:
     def __call__(self, model: torch.nn.Module, batch: Any) -> Any:
         start = self._clock()
         out = self.loss_fn(model, batch)
-        self._pay((self._factor - 1) * (self._clock() - start))
+        self._wait(self._clock() - start)
         loss = out[0] if isinstance(out, tuple) else out
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss.register_hook(self._on_backward_start)
         return out
 
     def _on_backward_start(self, grad: torch.Tensor) -> torch.Tensor:
-        # Note [Waiting before the gradients]: paid before any gradient hook runs.
-        ahead = (self._factor - 1) * self._last_backward_s
-        self._pay(ahead)
         start = self._clock()
         torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: self._settle_backward(self._clock() - start, ahead)
+            lambda: self._wait(self._clock() - start)
         )
         return grad
 
-    def _settle_backward(self, seconds: float, paid: float) -> None:
-        self._last_backward_s = seconds
-        self._pay((self._factor - 1) * seconds - paid)
-
-    def _pay(self, seconds: float) -> None:
-        """Waits ``seconds`` less the surplus of earlier waits; a negative amount (paid
-        ahead too much) adds to the surplus."""
-        if self._factor <= 1:
+    def _wait(self, seconds: float) -> None:
+        if self._factor <= 1 or seconds <= 0:
             return
-        owed = seconds - self._surplus
+        owed = (self._factor - 1) * seconds - self._surplus
         if owed <= 0:
             self._surplus = -owed
             return
