@@ -217,14 +217,16 @@ class AutoPlan:
         self.max_vn_size = None if max_vn_size is None else list(max_vn_size)
         self.history: list[PlanChange] = []
         self.decisions: list[PlanDecision] = []
-        # Windows (sizes of _recent) at which a refused first plan is weighed again.
+        # Windows (sizes of _recent) at which a refused first plan is weighed again, up
+        # to the last.
         self._looks: tuple[int, ...] = ()
+        self._last_look = warmup * 2 ** (WARMUP_LOOKS - 1)
         # Every profile seen lately, of any plan: the step time's noise is measured on
         # these, so that a change of plan (one jump) or a short stall (two) does not
         # widen or narrow the band.
         self._noise_window: deque[StepProfile] = deque(maxlen=NOISE_WINDOW)
         self._recent: deque[StepProfile] = deque(
-            maxlen=max(warmup * 2 ** (WARMUP_LOOKS - 1), patience * MAX_BACKOFF)
+            maxlen=max(self._last_look, patience * MAX_BACKOFF)
         )
         self._planned = False
         self._seen_first = False
@@ -338,7 +340,7 @@ class AutoPlan:
         watches in between)."""
         new = self._decide(list(self._recent), plan, batch_size, next_step, "profiled")
         refused = new is None and self.decisions[-1].proposed != plan
-        done = len(self._recent) >= self.warmup * 2 ** (WARMUP_LOOKS - 1)
+        done = len(self._recent) >= self._last_look
         self._looks = () if not refused or done else (2 * len(self._recent),)
         return new
 
