@@ -275,7 +275,9 @@ def test_an_automatic_plan_with_a_bound_sampler_trains_bitwise_as_one_process(jo
     communication otherwise): the plan changes between steps on its own and the bound
     sampler (``bind(ex)``, ``step_indices(step)``) follows it and every
     worker set."""
-    steps = 40
+    # Enough steps after b joins (however long it takes to start) for the planner's
+    # warm-up, and its second look if the first cannot tell the gain from noise.
+    steps = STEPS
     job.start("a", "--auto", steps=steps)
     job.wait_steps("a", 3)
     job.start("b", "--auto", "--slow", "20", steps=steps)

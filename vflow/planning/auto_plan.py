@@ -317,8 +317,6 @@ class AutoPlan:
                 return None
             self._settling = False
             return self._decide(list(self._recent), plan, batch_size, next_step, "settled")
-        if self._looks and len(self._recent) == self._looks[0]:
-            return self._first_look(plan, batch_size, next_step)
         predicted = self._predicted_compute
         slowest = max(predicted) if predicted else 0.0
         if slowest > 0 and any(
@@ -329,10 +327,13 @@ class AutoPlan:
         else:
             self._drifting = 0
         drifted = self._drifting
-        if drifted < self.drift_patience:
-            return None
-        self._drifting = 0
-        return self._decide(list(self._recent)[-drifted:], plan, batch_size, next_step, "drift")
+        if drifted >= self.drift_patience:
+            self._drifting = 0
+            return self._decide(list(self._recent)[-drifted:], plan, batch_size, next_step, "drift")
+        if self._looks and len(self._recent) >= self._looks[0] and not drifted:
+            # Not while speeds are moving: the look would fit old and new speeds at once.
+            return self._first_look(plan, batch_size, next_step)
+        return None
 
     def _first_look(self, plan: Plan, batch_size: int, next_step: int) -> Plan | None:
         """The first plan, on every profile of the current plan so far; refused within
