@@ -255,9 +255,8 @@ def _rates(profile: vflow.StepProfile) -> dict[str, Any]:
     compute and that no plan removes: the non-compute time of the worker that finishes
     last (the others' includes waiting for it), i.e. the exposed reduction, the
     optimizer and the step's own bookkeeping."""
-    rates = [sum(v.size for v in w.vns) / w.compute_s for w in profile.workers]
-    overhead = min(w.step_s - w.compute_s for w in profile.workers)
-    return {"rates": rates, "overhead_s": overhead}
+    rates = [w.samples / w.compute_s for w in profile.workers]
+    return {"rates": rates, "overhead_s": vflow.planner.fixed_step_s([profile])}
 
 
 def _straggler_rank(rank: int, world_size: int, cfg: Config) -> dict:

@@ -227,8 +227,9 @@ class VNBatchSampler(Sampler[list[int]]):
         self._seed = seed
         self._shuffle = shuffle
         self._drop_last = drop_last
-        self._plan: Plan | None = plan
-        self._rank: int | None = rank
+        # Bound, plan and rank come from the executor at every use (as after ``bind``).
+        self._plan: Plan | None = None if follower is not None else plan
+        self._rank: int | None = None if follower is not None else rank
         self._executor: PlanFollower | None = follower
         self._epoch = 0
 
@@ -331,40 +332,31 @@ class VNBatchSampler(Sampler[list[int]]):
         # when bound, its first step are those of the moment iter() is called.
         self._plan_and_rank(None)  # fails here when there is nothing to follow
         executor = self._executor
-        if executor is None:
-            return self._unbound_batches(self._order())
-        executor.forget_draws()
-        return self._bound_batches(self._order(), executor, executor.step_count)
+        if executor is not None:
+            executor.forget_draws()
+        return self._batches(self._order(), executor)
 
-    def _unbound_batches(self, order: torch.Tensor) -> Iterator[list[int]]:
+    def _batches(self, order: torch.Tensor, executor: PlanFollower | None) -> Iterator[list[int]]:
         size_b = self._batch_size
-        for start in range(0, self._dataset_size, size_b):
-            # Read once per global batch: a set_plan between two batches takes effect at
-            # the next one, and plan and rank always come from the same set_plan call.
-            plan, rank = self._plan, self._rank
-            assert plan is not None and rank is not None
-            size = min(size_b, self._dataset_size - start)
-            if size < size_b and not _keeps_short(plan, size, self._drop_last):
-                return
-            lo, hi = plan.worker_range(rank, size)
-            yield order[start + lo : start + hi].tolist()
-
-    def _bound_batches(
-        self, order: torch.Tensor, executor: PlanFollower, first_step: int
-    ) -> Iterator[list[int]]:
-        size_b = self._batch_size
+        first_step = 0 if executor is None else executor.step_count
         for index, start in enumerate(range(0, self._dataset_size, size_b)):
             step = first_step + index
-            # The plan this batch's step will run under, decided before it is drawn: the
-            # executor delays any later change past the steps drawn so far.
-            plan = executor.plan_for_step(step)
-            plan, rank = _check_plan(plan, executor.rank, size_b)
+            if executor is None:
+                # Read once per global batch: a set_plan between two batches takes effect
+                # at the next one, and plan and rank always come from the same set_plan.
+                plan, rank = self._plan, self._rank
+                assert plan is not None and rank is not None
+            else:
+                # The plan this batch's step will run under, decided before it is drawn:
+                # the executor delays any later change past the steps drawn so far.
+                plan, rank = _check_plan(executor.plan_for_step(step), executor.rank, size_b)
             size = min(size_b, self._dataset_size - start)
             if size < size_b and not _keeps_short(plan, size, self._drop_last):
                 return
             lo, hi = plan.worker_range(rank, size)
             indices = order[start + lo : start + hi].tolist()
-            executor.record_draw(step, plan, rank)
+            if executor is not None:
+                executor.record_draw(step, plan, rank)
             yield indices
 
     def __len__(self) -> int:
