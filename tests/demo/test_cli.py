@@ -52,7 +52,9 @@ def test_the_demo_runs_the_scenario_last_and_fails_with_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, elastic_ok: bool | None, status: int
 ) -> None:
     calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(cli, "run_one", lambda run, *_: _fake_outcome(run.name, run.workers))
+    monkeypatch.setattr(
+        cli, "run_together", lambda runs, *_: [_fake_outcome(r.name, r.workers) for r in runs]
+    )
 
     def fake_run(settings: dict[str, Any], data: Any, out: Path) -> bool:
         assert (out / "results.json").exists()  # the other runs are written first

@@ -223,3 +223,28 @@ def test_a_new_plan_is_weighed_once_more_on_its_own_profiles() -> None:
     assert changed == [(3, (8, 4)), (6, (9, 3))]
     assert [c.reason for c in auto.history] == ["profiled", "settled"]
     assert [d.reason for d in auto.decisions] == ["profiled", "settled"]
+
+
+def test_a_refused_settled_look_is_weighed_again_on_more_profiles() -> None:
+    even = Plan.even(V, 2)
+    auto = _started(AutoPlan(warmup=2), even, [1e-3, 2e-3])
+    plan, changed = even, []
+    for step in range(1, 20):
+        if plan == even:
+            profile = _profile(plan, [1e-3, 2e-3], step)
+        else:  # worker 1 is 3x slower under [8, 4], and its steps are noisy
+            profile = _noisy(plan, [1e-3, 3e-3], step, 0.03)
+        new = auto.observe(profile, plan, B, step + 1)
+        if new is not None:
+            changed.append((step + 1, new.counts))
+            plan = new
+    # [9, 3] would save 0.03 s a step: within the band on 3 and 6 profiles of [8, 4],
+    # beyond it on 12, where the band is narrower.
+    assert changed == [(3, (8, 4)), (15, (9, 3))]
+    assert [(d.reason, d.taken) for d in auto.decisions] == [
+        ("profiled", True),
+        ("settled", False),
+        ("settled", False),
+        ("settled", True),
+    ]
+    assert [c.reason for c in auto.history] == ["profiled", "settled"]

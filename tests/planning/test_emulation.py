@@ -44,29 +44,54 @@ def test_waits_factor_minus_one_times_forward_and_backward() -> None:
     loss = slow(model, torch.ones(2, 3))
     assert clock.slept == [2.0]  # forward took 1 s: waits 2 s
     loss.backward()
-    assert clock.slept == [2.0, 1.0]  # backward took 0.5 s, waited at its end
+    # No backward measured yet: estimated at twice the forward, 2 x 2 s waited up front;
+    # it took 0.5 s, so 3 s were waited too many and come off the next waits.
+    assert clock.slept == [2.0, 4.0]
     assert model.weight.grad is not None
-    assert clock.now == 3.0 * (1.0 + 0.5)
+    slow(model, torch.ones(2, 3)).backward()  # owes 2 + 1 s: still 0 s ahead, no wait
+    assert clock.slept == [2.0, 4.0]
+    slow(model, torch.ones(2, 3)).backward()  # the estimate is now the real 0.5 s
+    assert clock.slept == [2.0, 4.0, 2.0, 1.0]
+    assert clock.now == pytest.approx(3 * 3.0 * (1.0 + 0.5))
+
+
+def test_the_backward_waits_before_its_gradient_hooks() -> None:
+    """Note [The backward's wait comes first]: the hooks that launch a slow device's
+    reductions run after its wait, as they would after a slow backward."""
+    clock = FakeClock()
+    model = _timed_model(clock, forward_s=1.0, backward_s=1.0)
+    hook_times: list[float] = []
+    model.weight.register_post_accumulate_grad_hook(lambda p: hook_times.append(clock.now))
+    slow = SlowDown(lambda m, b: m(b).sum(), 2.0, clock=clock, sleep=clock.sleep)
+    for _ in range(2):
+        slow(model, torch.ones(2, 3)).backward()
+    # VN 1: forward 1 s, wait 1 s, backward's wait (2 s estimated) before its work.
+    # VN 2: 1 s ahead from VN 1: the forward's wait is skipped; then 1 s before the work.
+    assert clock.slept == [1.0, 2.0, 1.0]
+    assert hook_times == [5.0, 8.0]
+    assert clock.now == 8.0  # 2 VNs of 2 s at factor 2
 
 
 def test_oversleeping_is_taken_off_the_next_waits() -> None:
     clock = FakeClock(overshoot=0.25)
-    model = _timed_model(clock, forward_s=1.0, backward_s=1.0)
+    model = _timed_model(clock, forward_s=1.0, backward_s=2.0)
     slow = SlowDown(lambda m, b: m(b).sum(), 2.0, clock=clock, sleep=clock.sleep)
     for _ in range(3):
         slow(model, torch.ones(2, 3)).backward()
-    # Each wait owes 1 s; the 0.25 s slept beyond it is owed less the next time.
-    assert clock.slept == [1.0, 0.75, 0.75, 0.75, 0.75, 0.75]
-    # Three VNs of 2 s at factor 2 take 12 s, plus only the last wait's surplus.
-    assert clock.now == pytest.approx(12.0 + 0.25)
+    # Each wait is owed 1 s (forward) or 2 s (backward); the 0.25 s slept beyond it
+    # is owed less the next time.
+    assert clock.slept == [1.0, 1.75, 0.75, 1.75, 0.75, 1.75]
+    # Three VNs of 3 s at factor 2 take 18 s, plus only the last wait's surplus.
+    assert clock.now == pytest.approx(18.0 + 0.25)
 
 
 def test_a_surplus_larger_than_a_wait_skips_it() -> None:
     clock = FakeClock(overshoot=3.0)
-    model = _timed_model(clock, forward_s=1.0, backward_s=1.0)
+    model = _timed_model(clock, forward_s=1.0, backward_s=2.0)
     slow = SlowDown(lambda m, b: m(b).sum(), 2.0, clock=clock, sleep=clock.sleep)
-    slow(model, torch.ones(2, 3)).backward()  # 1 s asked, 4 s slept: 3 s ahead
-    slow(model, torch.ones(2, 3)).backward()  # 1 s owed twice: both skipped
+    slow(model, torch.ones(2, 3))  # 1 s asked, 4 s slept: 3 s ahead
+    assert clock.slept == [1.0]
+    slow(model, torch.ones(2, 3)).backward()  # 1 s owed, then 2 s: both skipped
     assert clock.slept == [1.0]
     slow(model, torch.ones(2, 3))
     assert clock.slept == [1.0, 1.0]  # the surplus is used up: waits again

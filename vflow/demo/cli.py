@@ -26,7 +26,7 @@ from vflow.demo.mappings import (
     default_mappings,
     describe,
     plan_counts,
-    run_one,
+    run_together,
 )
 from vflow.demo.progress import ProgressBar
 
@@ -146,16 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     even_workers = sorted({len(c) for c in mappings if len(set(c)) == 1})
     baseline_batch = args.baseline_batch or max(1, args.batch_size // max(even_workers or [1]))
 
-    runs = [Run(f"vflow, {describe(c)}", len(c), args.batch_size, c) for c in mappings]
+    # Runs in one group train side by side (vflow.demo.mappings.run_together): the
+    # heterogeneous row's even and automatic plans, whose speeds are compared.
+    groups = [[Run(f"vflow, {describe(c)}", len(c), args.batch_size, c)] for c in mappings]
     if not args.no_heterogeneous and args.virtual_nodes >= len(heterogeneous.SLOWDOWN):
-        runs += heterogeneous.runs(args.virtual_nodes, args.batch_size)
+        groups.append(heterogeneous.runs(args.virtual_nodes, args.batch_size))
     if not args.no_baseline:
-        runs += [
-            Run(f"baseline, {w} worker{'s' if w > 1 else ''} x {baseline_batch}", w,
-                w * baseline_batch, None)
+        groups += [
+            [Run(f"baseline, {w} worker{'s' if w > 1 else ''} x {baseline_batch}", w,
+                 w * baseline_batch, None)]
             for w in (even_workers or [1])
             if w * baseline_batch <= len(data[1])
         ]  # fmt: skip
+    runs = [run for group in groups for run in group]
     settings = {
         "epochs": args.epochs,
         "virtual_nodes": args.virtual_nodes,
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     total_steps = sum(args.epochs * (len(data[1]) // run.global_batch) for run in runs)
     bar = ProgressBar(total_steps)
     try:
-        outcomes = [run_one(run, settings, data, bar) for run in runs]
+        outcomes = [o for group in groups for o in run_together(group, settings, data, bar)]
     finally:
         bar.finish()
     compare_with_first(outcomes)

@@ -1,8 +1,10 @@
 """The main job's heterogeneous row: 2 workers at speeds 2:1, the second one
 *emulated* at half speed (vflow.planning.SlowDown), once with the even plan and once
-with ``plan="auto"``, which profiles the workers and moves VNs to the faster one. Their
-parameters must equal the first run's bitwise like every other mapping's; ``table``
-gives their steady throughput side by side with the bounds for whole VNs."""
+with ``plan="auto"``, which profiles the workers and moves VNs to the faster one. The
+two runs train side by side, their steps interleaved (vflow.demo.mappings.run_together),
+so that the load of a shared machine meets both alike. Their parameters must equal the
+first run's bitwise like every other mapping's; ``table`` gives their steady throughput
+side by side with the bounds for whole VNs."""
 
 from __future__ import annotations
 

@@ -5,9 +5,10 @@ deterministic mode, beside the baseline users get without virtual nodes: data
 parallelism with a fixed per-device batch, whose global batch (and so training)
 changes with the number of workers.
 
-``run_one`` trains one ``Run`` on its worker processes (vflow.world.launch) and returns
-its ``Outcome``: losses, test accuracy, times and every parameter after every step, from
-which ``compare_with_first`` derives the parameter differences to the first run. The
+``run_together`` trains one ``Run``, or several side by side with their steps
+interleaved, on worker processes of their own (vflow.world.launch) and returns each
+run's ``Outcome``: losses, test accuracy, times and every parameter after every step,
+from which ``compare_with_first`` derives the parameter differences to the first run. The
 command line that puts the runs together is vflow.demo.cli.
 """
 
@@ -119,106 +120,148 @@ def describe(counts: tuple[int, ...]) -> str:
 
 
 def _train_rank(
-    rank: int, world_size: int, run: Run, args: dict[str, Any], data: tuple[torch.Tensor, ...]
-) -> Outcome | None:
-    """One worker of ``run`` (started by vflow.world.launch, one torch thread: several workers
-    share the cores, and one intra-op thread is also a condition of bitwise
-    reproducibility on CPU). Rank 0 returns the outcome."""
-    progress = launch.current_store() if rank == 0 else None
-    outcome = _train(rank, run, args, data, dist.group.WORLD, progress)
-    return outcome if rank == 0 else None
-
-
-def _train(
     rank: int,
-    run: Run,
+    world_size: int,
+    runs: list[Run],
     args: dict[str, Any],
     data: tuple[torch.Tensor, ...],
-    group: dist.ProcessGroup,
-    progress: dist.Store | None,
-) -> Outcome:
-    x_train, y_train, x_test, y_test = data
-    model = make_model(args["seed"])
-    optimizer = torch.optim.SGD(model.parameters(), lr=args["lr"], momentum=0.9)
-    outcome = Outcome(run)
-    steps_per_epoch = len(y_train) // run.global_batch
-    outcome.steps_per_epoch = steps_per_epoch
-    start = time.perf_counter()
-    if run.counts is not None:
-        loss_fn = cross_entropy
-        if run.slowdown is not None:
-            loss_fn = SlowDown(cross_entropy, run.slowdown[rank])
-        ex = vflow.Executor(
-            model,
-            optimizer,
-            loss_fn,
-            args["virtual_nodes"],
-            seed=args["seed"],
-            plan="auto" if run.auto_plan else vflow.Plan(counts=list(run.counts)),
-            process_group=group,
-            deterministic=True,
-        )
-        ddp = None
-    else:
-        ex = None
-        ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
-        # Not dist.all_reduce: see Note [Collectives on tensors Python cannot see].
-        collectives = World(group, timedelta(seconds=_COLLECTIVE_TIMEOUT_S))
-    per_device = run.global_batch // run.workers
-    trajectory: list[np.ndarray] = []
-    vn_times: list[list[float]] = [[] for _ in range(run.workers)]
+) -> list[Outcome] | None:
+    """One worker of ``runs`` (started by vflow.world.launch, one torch thread: several
+    workers share the cores, and one intra-op thread is also a condition of bitwise
+    reproducibility on CPU), stepped in turn: step k of every run, then step k + 1, so
+    that runs compared with each other meet the same load on shared cores (see
+    ``run_together``). Rank 0 returns the outcomes."""
+    progress = launch.current_store() if rank == 0 else None
+    trainers = [_Trainer(rank, run, args, data, dist.group.WORLD, progress) for run in runs]
     for epoch in range(args["epochs"]):
         # The data order depends on (seed, epoch) alone: every run sees the same samples
         # in the same order, in batches of its own global size.
-        order = epoch_order(len(y_train), args["seed"], epoch)
-        for step in range(steps_per_epoch):
-            idx = order[step * run.global_batch : (step + 1) * run.global_batch]
-            step_start = time.perf_counter()
-            if ex is not None:
-                loss = ex.step((x_train[idx], y_train[idx])).loss
-            else:
-                mine = idx[rank * per_device : (rank + 1) * per_device]
-                optimizer.zero_grad(set_to_none=True)
-                local = cross_entropy(ddp, (x_train[mine], y_train[mine]))
-                local.backward()
-                optimizer.step()
-                loss = local.detach()
-                collectives.sum([loss], "all-reduce of the baseline's loss", step)
-                loss = (loss / run.workers).item()
-            outcome.step_seconds.append(time.perf_counter() - step_start)
-            profile = ex.last_profile if ex is not None else None
-            if profile is not None and progress is not None:
-                for w, worker in enumerate(profile.workers):
-                    vn_times[w] += [vn.forward_s + vn.backward_s for vn in worker.vns]
-            outcome.losses.append(loss)
-            if progress is not None:
-                trajectory.append(
-                    torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
-                )
-                progress.add(_PROGRESS_KEY, 1)
-    outcome.seconds = time.perf_counter() - start
-    if ex is not None:
-        outcome.vn_seconds = [float(np.median(t)) if t else math.nan for t in vn_times]
-        outcome.plan_changes = [
-            {"step": c.step, "counts": list(c.new.counts), "reason": c.reason,
-             "predicted_gain": c.predicted_old_s / c.predicted_new_s}
-            for c in ex.plan_history
-        ]  # fmt: skip
-        outcome.plan_decisions = [f"step {d.step}: {d.describe()}" for d in ex.plan_decisions]
-        ex.close()
-    outcome.test_accuracy = accuracy(model, x_test, y_test)
-    # numpy, not torch: the result is pickled, and numpy arrays pickle as plain data.
-    outcome.trajectory = np.stack(trajectory) if trajectory else outcome.trajectory
-    return outcome
+        order = epoch_order(len(data[1]), args["seed"], epoch)
+        for step in range(max(t.steps_per_epoch for t in trainers)):
+            for trainer in trainers:
+                if step < trainer.steps_per_epoch:
+                    trainer.step(order, step)
+    outcomes = [trainer.finish() for trainer in trainers]
+    return outcomes if rank == 0 else None
+
+
+class _Trainer:
+    """One run's model, optimizer and vflow executor (or DDP for the baseline) on this
+    worker, and the outcome it builds step by step."""
+
+    def __init__(
+        self,
+        rank: int,
+        run: Run,
+        args: dict[str, Any],
+        data: tuple[torch.Tensor, ...],
+        group: dist.ProcessGroup,
+        progress: dist.Store | None,
+    ) -> None:
+        self._rank, self._run, self._data, self._progress = rank, run, data, progress
+        self._model = make_model(args["seed"])
+        self._optimizer = torch.optim.SGD(self._model.parameters(), lr=args["lr"], momentum=0.9)
+        self.outcome = Outcome(run)
+        self.steps_per_epoch = len(data[1]) // run.global_batch
+        self.outcome.steps_per_epoch = self.steps_per_epoch
+        self._ex: vflow.Executor | None = None
+        self._ddp: nn.parallel.DistributedDataParallel | None = None
+        self._busy_s = 0.0  # in this run's steps and its bookkeeping
+        started = time.perf_counter()
+        if run.counts is not None:
+            loss_fn: Any = cross_entropy
+            if run.slowdown is not None:
+                loss_fn = SlowDown(cross_entropy, run.slowdown[rank])
+            self._ex = vflow.Executor(
+                self._model,
+                self._optimizer,
+                loss_fn,
+                args["virtual_nodes"],
+                seed=args["seed"],
+                plan="auto" if run.auto_plan else vflow.Plan(counts=list(run.counts)),
+                process_group=group,
+                deterministic=True,
+            )
+        else:
+            self._ddp = nn.parallel.DistributedDataParallel(self._model, process_group=group)
+            # Not dist.all_reduce: see Note [Collectives on tensors Python cannot see].
+            self._collectives = World(group, timedelta(seconds=_COLLECTIVE_TIMEOUT_S))
+        self._trajectory: list[np.ndarray] = []
+        self._vn_times: list[list[float]] = [[] for _ in range(run.workers)]
+        self._busy_s += time.perf_counter() - started
+
+    def step(self, order: torch.Tensor, step: int) -> None:
+        run, outcome = self._run, self.outcome
+        x_train, y_train = self._data[0], self._data[1]
+        started = time.perf_counter()
+        idx = order[step * run.global_batch : (step + 1) * run.global_batch]
+        if self._ex is not None:
+            loss = self._ex.step((x_train[idx], y_train[idx])).loss
+        else:
+            assert self._ddp is not None
+            per_device = run.global_batch // run.workers
+            mine = idx[self._rank * per_device : (self._rank + 1) * per_device]
+            self._optimizer.zero_grad(set_to_none=True)
+            local = cross_entropy(self._ddp, (x_train[mine], y_train[mine]))
+            local.backward()
+            self._optimizer.step()
+            loss = local.detach()
+            self._collectives.sum([loss], "all-reduce of the baseline's loss", step)
+            loss = (loss / run.workers).item()
+        outcome.step_seconds.append(time.perf_counter() - started)
+        profile = self._ex.last_profile if self._ex is not None else None
+        if profile is not None and self._progress is not None:
+            for w, worker in enumerate(profile.workers):
+                self._vn_times[w] += [vn.forward_s + vn.backward_s for vn in worker.vns]
+        outcome.losses.append(loss)
+        if self._progress is not None:
+            self._trajectory.append(
+                torch.cat([p.detach().flatten() for p in self._model.parameters()]).numpy()
+            )
+            self._progress.add(_PROGRESS_KEY, 1)
+        self._busy_s += time.perf_counter() - started
+
+    def finish(self) -> Outcome:
+        outcome, ex = self.outcome, self._ex
+        outcome.seconds = self._busy_s
+        if ex is not None:
+            outcome.vn_seconds = [float(np.median(t)) if t else math.nan for t in self._vn_times]
+            outcome.plan_changes = [
+                {"step": c.step, "counts": list(c.new.counts), "reason": c.reason,
+                 "predicted_gain": c.predicted_old_s / c.predicted_new_s}
+                for c in ex.plan_history
+            ]  # fmt: skip
+            outcome.plan_decisions = [f"step {d.step}: {d.describe()}" for d in ex.plan_decisions]
+            ex.close()
+        outcome.test_accuracy = accuracy(self._model, self._data[2], self._data[3])
+        # numpy, not torch: the result is pickled, and numpy arrays pickle as plain data.
+        if self._trajectory:
+            outcome.trajectory = np.stack(self._trajectory)
+        return outcome
 
 
 # ---- the parent ------------------------------------------------------------------------
 
 
-def run_one(
-    run: Run, args: dict[str, Any], data: tuple[torch.Tensor, ...], bar: ProgressBar
-) -> Outcome:
-    bar.start_run(run.name)
+def run_together(
+    runs: list[Run], args: dict[str, Any], data: tuple[torch.Tensor, ...], bar: ProgressBar
+) -> list[Outcome]:
+    """Trains ``runs`` on one set of worker processes, their steps interleaved (step k
+    of each run in turn), and returns their outcomes in order.
+
+    Runs whose speeds are compared (the heterogeneous row's even and automatic plans)
+    go together: on shared, noisy cores the load drifts over seconds, and two runs one
+    after the other can meet different loads, while interleaved steps meet the same.
+    Their results do not depend on it: each run has its own model, optimizer, executor
+    and random streams, and the collectives of one step end before the next run's
+    step starts. ``outcome.seconds`` is the time in the run's own steps; the wall time
+    is the launch's, shared."""
+    if not runs or len({run.workers for run in runs}) != 1:
+        raise ValueError(
+            f"runs must be a non-empty list of runs with one worker count, got "
+            f"{[run.workers for run in runs]}"
+        )
+    bar.start_run(" + ".join(run.name for run in runs))
 
     def poll(store: dist.TCPStore) -> None:
         # add(key, 0) reads the counter and creates it if no step has been done yet.
@@ -226,9 +269,9 @@ def run_one(
 
     started = time.perf_counter()
     results = launch.run_ranks(
-        run.workers,
+        runs[0].workers,
         _train_rank,
-        run,
+        runs,
         args,
         data,
         timeout=args["timeout"],
@@ -237,11 +280,12 @@ def run_one(
         fail_fast=True,
         poll=poll,
     )
-    outcome = results[0].value
-    assert isinstance(outcome, Outcome)
-    outcome.wall_seconds = time.perf_counter() - started
+    outcomes = results[0].value
+    assert isinstance(outcomes, list) and len(outcomes) == len(runs)
+    for outcome in outcomes:
+        outcome.wall_seconds = time.perf_counter() - started
     bar.end_run()
-    return outcome
+    return outcomes
 
 
 def compare_with_first(outcomes: list[Outcome]) -> None:

@@ -49,6 +49,11 @@ def _leaves(batch: Batch, path: str) -> list[tuple[str, torch.Tensor]]:
     )
 
 
+def tensor_bytes(batch: Batch) -> int:
+    """The bytes of every tensor in ``batch``."""
+    return sum(t.numel() * t.element_size() for _, t in _leaves(batch, "batch"))
+
+
 def _common_size(batch: Batch) -> int | None:
     """The dim-0 size every leaf of ``batch`` shares, or None when the batch is not a
     valid one (then ``batch_size`` walks it again to say why). Checked once per step:

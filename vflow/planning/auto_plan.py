@@ -34,7 +34,8 @@ at the same step, without an agreement round.
   another plan, and on shared hardware a worker's speed depends on what the others do
   (a worker that idled half of the even plan's step computed faster than it does under
   a balanced one). No drift is counted before that look, and a change it makes is not
-  looked at again this way.
+  looked at again this way; refused within the band, it is weighed again on 2 and 4
+  times as many profiles, as the first plan is.
 * Each step, every worker's measured compute is compared with the prediction; a
   departure counts when it exceeds ``threshold`` times the predicted slowest compute
   (the step), so a worker that speeds up is seen as well as one that slows down, while
@@ -82,7 +83,7 @@ RECOVERY_STEPS = 25
 # Note [Automatic plans]: the profiles, of any plan, the step time's noise is measured on.
 NOISE_WINDOW = 16
 # Note [Automatic plans]: how many windows (warmup, 2 warmup, 4 warmup profiles) the first
-# plan is weighed on while its gain is within the noise band.
+# plan, and the settled look, are weighed on while their gain is within the noise band.
 WARMUP_LOOKS = 3
 
 
@@ -220,6 +221,7 @@ class AutoPlan:
         # Windows (sizes of _recent) at which a refused first plan is weighed again, up
         # to the last.
         self._looks: tuple[int, ...] = ()
+        self._look_reason = "profiled"
         self._last_look = warmup * 2 ** (WARMUP_LOOKS - 1)
         # Every profile seen lately, of any plan: the step time's noise is measured on
         # these, so that a change of plan (one jump) or a short stall (two) does not
@@ -305,7 +307,7 @@ class AutoPlan:
             if len(self._recent) < self.warmup:
                 return None
             self._planned = True
-            return self._first_look(plan, batch_size, next_step)
+            return self._look(plan, batch_size, next_step, "profiled")
         self._quiet_steps += 1
         self._since_change += 1
         if self._backoff > 1 and self._quiet_steps >= self.patience * RECOVERY_STEPS:
@@ -316,7 +318,7 @@ class AutoPlan:
             if len(self._recent) < max(self.warmup, self.drift_patience):
                 return None
             self._settling = False
-            return self._decide(list(self._recent), plan, batch_size, next_step, "settled")
+            return self._look(plan, batch_size, next_step, "settled")
         predicted = self._predicted_compute
         slowest = max(predicted) if predicted else 0.0
         if slowest > 0 and any(
@@ -332,17 +334,19 @@ class AutoPlan:
             return self._decide(list(self._recent)[-drifted:], plan, batch_size, next_step, "drift")
         if self._looks and len(self._recent) >= self._looks[0] and not drifted:
             # Not while speeds are moving: the look would fit old and new speeds at once.
-            return self._first_look(plan, batch_size, next_step)
+            return self._look(plan, batch_size, next_step, self._look_reason)
         return None
 
-    def _first_look(self, plan: Plan, batch_size: int, next_step: int) -> Plan | None:
-        """The first plan, on every profile of the current plan so far; refused within
-        the noise band, it is weighed again on 2 and 4 times as many (the drift rule
-        watches in between)."""
-        new = self._decide(list(self._recent), plan, batch_size, next_step, "profiled")
+    def _look(self, plan: Plan, batch_size: int, next_step: int, reason: str) -> Plan | None:
+        """The plan weighed on every profile of the current plan so far: the first plan
+        ("profiled") or the plan just taken ("settled"). Refused within the noise band,
+        it is weighed again on 2 and 4 times as many profiles (the drift rule watches in
+        between)."""
+        new = self._decide(list(self._recent), plan, batch_size, next_step, reason)
         refused = new is None and self.decisions[-1].proposed != plan
         done = len(self._recent) >= self._last_look
         self._looks = () if not refused or done else (2 * len(self._recent),)
+        self._look_reason = reason
         return new
 
     def _decide(

@@ -2,22 +2,35 @@
 
 ``SlowDown(loss_fn, factor)`` makes the worker that uses it ``factor`` times slower in
 compute: after each VN's forward it waits ``factor - 1`` times what the forward took,
-and after its backward ``factor - 1`` times what the backward took (a callback queued on
-the autograd engine runs when that backward ends). So the emulated device is slower in
-proportion to the real work, whatever the VN size, as a slower GPU would be.
+and before its backward ``factor - 1`` times what the backward will take. So the
+emulated device is slower in proportion to the real work, whatever the VN size, as a
+slower GPU would be.
 
-A sleep lasts longer than asked (the timer's slack and the wake-up, ~0.1 ms here), which
-on VNs of a millisecond would make the device markedly slower than ``factor``; the
-surplus is measured and taken off the next wait, so the waits add up to what was asked.
+Note [The backward's wait comes first]
+A slower device's backward ends late, and with it the gradient hooks that launch the
+last VN's reductions: they are exposed after its compute. A wait after the backward
+would let those reductions run during it, so a worker emulated slow would hide a
+reduction that a slow device exposes, and the even plan (where that worker finishes
+last) would look cheaper than it is. So the backward's wait is paid when the backward
+starts (a hook on the loss), before any gradient hook runs. Its length is not known yet:
+it is estimated as the last backward's time (twice the forward's for the first), and
+the difference to the real one, measured by a callback queued on the autograd engine,
+is owed to (or taken off) the next wait.
 
-What it does not show: a slower device's communication (the reduction of the last
-VN's buckets starts as early as on a fast one, since the hooks that launch it run
-before the wait), memory limits, or contention between the real and the emulated
-work. Every table that uses it says "emulated".
+A sleep also lasts longer than asked (the timer's slack and the wake-up, ~0.1 ms here),
+which on VNs of a millisecond would make the device markedly slower than ``factor``: the
+time slept beyond what was owed is taken off the next waits as well. Over a run the
+waits add up to what was asked.
+
+What it does not show: memory limits, the contention of the real and the emulated work
+(on shared cores a sleeping worker leaves its core to the others), and the spread of a
+slower backward's bucket launches (they all come after the wait, the last one when a
+slower device's would). Every table that uses it says "emulated".
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -45,8 +58,10 @@ class SlowDown:
         self.factor = factor
         self._clock = clock
         self._sleep = sleep
-        # Seconds waited beyond what was asked so far (> 0: the next waits are shorter).
-        self._surplus = 0.0
+        # Seconds still to wait; negative when ahead (slept too long, or a backward
+        # shorter than its estimate).
+        self._owed = 0.0
+        self._backward_s: float | None = None  # the last backward's, the next estimate
 
     @property
     def factor(self) -> float:
@@ -61,26 +76,36 @@ class SlowDown:
     def __call__(self, model: torch.nn.Module, batch: Any) -> Any:
         start = self._clock()
         out = self.loss_fn(model, batch)
-        self._wait(self._clock() - start)
+        forward_s = self._clock() - start
+        self._wait((self._factor - 1) * forward_s)
         loss = out[0] if isinstance(out, tuple) else out
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
-            loss.register_hook(self._on_backward_start)
+            estimate = 2 * forward_s if self._backward_s is None else self._backward_s
+            loss.register_hook(functools.partial(self._on_backward_start, estimate))
         return out
 
-    def _on_backward_start(self, grad: torch.Tensor) -> torch.Tensor:
+    def _on_backward_start(self, estimate_s: float, grad: torch.Tensor) -> torch.Tensor:
+        # Note [The backward's wait comes first]
+        paid = (self._factor - 1) * estimate_s
+        self._wait(paid)
         start = self._clock()
         torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: self._wait(self._clock() - start)
+            lambda: self._on_backward_end(self._clock() - start, paid)
         )
         return grad
 
+    def _on_backward_end(self, backward_s: float, paid: float) -> None:
+        self._backward_s = backward_s
+        if self._factor > 1:
+            self._owed += (self._factor - 1) * backward_s - paid
+
     def _wait(self, seconds: float) -> None:
-        if self._factor <= 1 or seconds <= 0:
+        """Owes ``seconds`` more and sleeps off what is owed, if anything."""
+        if self._factor <= 1:
             return
-        owed = (self._factor - 1) * seconds - self._surplus
-        if owed <= 0:
-            self._surplus = -owed
+        self._owed += seconds
+        if self._owed <= 0:
             return
         start = self._clock()
-        self._sleep(owed)
-        self._surplus = max(0.0, self._clock() - start - owed)
+        self._sleep(self._owed)
+        self._owed -= self._clock() - start

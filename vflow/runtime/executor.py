@@ -668,8 +668,11 @@ class Executor:
         return StepProfile(self._last_result.step, (self._last_result.profile,))
 
     def _vn_batches(self, batch: Batch, slices: list[VNSlice]) -> Iterator[Batch]:
-        # Plain slicing is a few views: not worth a thread hand-off.
-        background = self._batches.needs_work or self._prefetcher.needs_transfer(batch)
+        # Plain slicing is a few views, a small copy a few microseconds: not worth a
+        # thread hand-off (Note [A copy inline or on the prefetch thread]).
+        background = self._batches.needs_work(batch, slices) or self._prefetcher.needs_transfer(
+            batch
+        )
         return self._prefetcher.batches(
             self._batches.jobs(batch, slices, self.seed, self.step_count), background
         )
