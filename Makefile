@@ -51,8 +51,11 @@ demo: $(BUILD_STAMP)
 	@echo "vflow is installed in $(VENV): run its commands as $(VENV)/bin/python -m vflow ..., \
 	$(VENV)/bin/torchrun ..., or after: source $(VENV)/bin/activate"
 
+# Tests marked "alone" read timing (the automatic planner's decisions): they run after
+# the others, one at a time, so that no other test's processes share the cores.
 test: $(BUILD_STAMP)
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not alone" tests
+	$(PY) -m pytest -q -m alone tests
 
 bench: $(BUILD_STAMP)
 	$(PY) benchmarks/run.py $(ARGS)

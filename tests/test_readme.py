@@ -189,6 +189,7 @@ def _run_readme_loop(world_size: int, snippet: str) -> list[dict]:
     return [r.value for r in results]
 
 
+@pytest.mark.alone  # its planner's decisions read step times
 def test_the_readme_many_workers_loop_follows_automatic_plans() -> None:
     """Acceptance (issue 20): with plan="auto" the loop re-plans on its own and the
     sampler follows, so every sample of every global batch is used exactly once."""
@@ -203,6 +204,7 @@ def test_the_readme_many_workers_loop_follows_automatic_plans() -> None:
     plan_follow.assert_each_sample_once(parts, steps)
 
 
+@pytest.mark.alone  # its planner's decisions read step times
 def test_the_readme_many_workers_loop_is_bitwise_one_process_in_deterministic_mode() -> None:
     snippet = plan_follow.readme_snippet()
     assert snippet.count('plan="auto"') == 1

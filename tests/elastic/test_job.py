@@ -270,6 +270,7 @@ def test_grow_without_deterministic_mode_is_within_rounding(
         job.kill()
 
 
+@pytest.mark.alone  # its planner's decisions read step times
 def test_an_automatic_plan_with_a_bound_sampler_trains_bitwise_as_one_process(job: Job) -> None:
     """plan="auto" with one worker 20x slower in compute (tiny next to the step's
     communication otherwise): the plan changes between steps on its own and the bound

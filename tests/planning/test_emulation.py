@@ -44,15 +44,13 @@ def test_waits_factor_minus_one_times_forward_and_backward() -> None:
     loss = slow(model, torch.ones(2, 3))
     assert clock.slept == [2.0]  # forward took 1 s: waits 2 s
     loss.backward()
-    # No backward measured yet: estimated at twice the forward, 2 x 2 s waited up front;
-    # it took 0.5 s, so 3 s were waited too many and come off the next waits.
-    assert clock.slept == [2.0, 4.0]
+    # No backward measured yet: nothing waited before it, 2 x 0.5 s after it.
+    assert clock.slept == [2.0, 1.0]
     assert model.weight.grad is not None
-    slow(model, torch.ones(2, 3)).backward()  # owes 2 + 1 s: still 0 s ahead, no wait
-    assert clock.slept == [2.0, 4.0]
-    slow(model, torch.ones(2, 3)).backward()  # the estimate is now the real 0.5 s
-    assert clock.slept == [2.0, 4.0, 2.0, 1.0]
-    assert clock.now == pytest.approx(3 * 3.0 * (1.0 + 0.5))
+    slow(model, torch.ones(2, 3)).backward()
+    # From the second VN on, the backward's wait comes before it, and it was enough.
+    assert clock.slept == [2.0, 1.0, 2.0, 1.0]
+    assert clock.now == pytest.approx(2 * 3.0 * (1.0 + 0.5))
 
 
 def test_the_backward_waits_before_its_gradient_hooks() -> None:
@@ -65,11 +63,35 @@ def test_the_backward_waits_before_its_gradient_hooks() -> None:
     slow = SlowDown(lambda m, b: m(b).sum(), 2.0, clock=clock, sleep=clock.sleep)
     for _ in range(2):
         slow(model, torch.ones(2, 3)).backward()
-    # VN 1: forward 1 s, wait 1 s, backward's wait (2 s estimated) before its work.
-    # VN 2: 1 s ahead from VN 1: the forward's wait is skipped; then 1 s before the work.
-    assert clock.slept == [1.0, 2.0, 1.0]
-    assert hook_times == [5.0, 8.0]
+    # VN 1 (no backward measured yet): forward 1 s, wait 1 s, backward 1 s (hooks at
+    # 3 s), wait 1 s. VN 2: forward, wait, 1 s before the backward, hooks at 8 s: the
+    # end of a 2 s backward, as on a device 2x slower.
+    assert clock.slept == [1.0, 1.0, 1.0, 1.0]
+    assert hook_times == [3.0, 8.0]
     assert clock.now == 8.0  # 2 VNs of 2 s at factor 2
+
+
+def test_a_backward_the_system_slowed_does_not_speed_up_the_next_vns() -> None:
+    """The wait before a backward is for the shortest of the last ones: one long
+    backward (a preempted process) is paid after it, not taken as the next estimate,
+    so no later VN skips its wait and looks as fast as an unslowed worker's."""
+    clock = FakeClock()
+    model = torch.nn.Linear(3, 1)
+    backward_s = iter([1.0, 1.0, 5.0, 1.0, 1.0])
+
+    def forward_hook(module: torch.nn.Module, args: object, out: torch.Tensor) -> None:
+        clock.now += 1.0
+        seconds = next(backward_s)
+        out.register_hook(lambda grad: setattr(clock, "now", clock.now + seconds))
+
+    model.register_forward_hook(forward_hook)
+    slow = SlowDown(lambda m, b: m(b).sum(), 2.0, clock=clock, sleep=clock.sleep)
+    vn_s = []
+    for _ in range(5):
+        start = clock.now
+        slow(model, torch.ones(2, 3)).backward()
+        vn_s.append(clock.now - start)
+    assert vn_s == [4.0, 4.0, 12.0, 4.0, 4.0]  # each VN twice its work
 
 
 def test_oversleeping_is_taken_off_the_next_waits() -> None:
@@ -78,8 +100,8 @@ def test_oversleeping_is_taken_off_the_next_waits() -> None:
     slow = SlowDown(lambda m, b: m(b).sum(), 2.0, clock=clock, sleep=clock.sleep)
     for _ in range(3):
         slow(model, torch.ones(2, 3)).backward()
-    # Each wait is owed 1 s (forward) or 2 s (backward); the 0.25 s slept beyond it
-    # is owed less the next time.
+    # Each wait is owed 1 s (forward) or 2 s (backward: after it on the first VN, before
+    # it on the others); the 0.25 s slept beyond it is owed less the next time.
     assert clock.slept == [1.0, 1.75, 0.75, 1.75, 0.75, 1.75]
     # Three VNs of 3 s at factor 2 take 18 s, plus only the last wait's surplus.
     assert clock.now == pytest.approx(18.0 + 0.25)

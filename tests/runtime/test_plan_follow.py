@@ -116,6 +116,7 @@ _LOOKAHEAD = {
 }
 
 
+@pytest.mark.alone  # its planner's decisions read step times
 def test_plan_changes_wait_for_the_batches_a_dataloader_drew_ahead() -> None:
     results = [r.value for r in run_ranks(2, plan_follow.scenarios_rank, _LOOKAHEAD, timeout=120)]
     alone = _alone({"deterministic": True})  # one process, no plan change, nothing ahead

@@ -11,11 +11,14 @@ A slower device's backward ends late, and with it the gradient hooks that launch
 last VN's reductions: they are exposed after its compute. A wait after the backward
 would let those reductions run during it, so a worker emulated slow would hide a
 reduction that a slow device exposes, and the even plan (where that worker finishes
-last) would look cheaper than it is. So the backward's wait is paid when the backward
-starts (a hook on the loss), before any gradient hook runs. Its length is not known yet:
-it is estimated as the last backward's time (twice the forward's for the first), and
-the difference to the real one, measured by a callback queued on the autograd engine,
-is owed to (or taken off) the next wait.
+last) would look cheaper than it is. So most of the backward's wait is paid when the
+backward starts (a hook on the loss), before any gradient hook runs. Its length is not
+known yet: the wait before it is for the shortest of the last BACKWARD_WINDOW backwards,
+and the rest, measured by a callback queued on the autograd engine when the backward
+ends, is waited then. A lower estimate rather than the last backward's time: a backward
+slowed by the operating system would make the next estimate too long, and the time
+waited too many would be taken off the next VNs' waits, which then look as fast as an
+unslowed worker's; the planner, which reads VN times, would see the speeds wrong.
 
 A sleep also lasts longer than asked (the timer's slack and the wake-up, ~0.1 ms here),
 which on VNs of a millisecond would make the device markedly slower than ``factor``: the
@@ -24,20 +27,24 @@ waits add up to what was asked.
 
 What it does not show: memory limits, the contention of the real and the emulated work
 (on shared cores a sleeping worker leaves its core to the others), and the spread of a
-slower backward's bucket launches (they all come after the wait, the last one when a
+slower backward's bucket launches (they all come after the wait, the last one about when a
 slower device's would). Every table that uses it says "emulated".
 """
 
 from __future__ import annotations
 
-import functools
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
+
+# Note [The backward's wait comes first]: the backwards whose shortest sets the next
+# backward's wait before it.
+BACKWARD_WINDOW = 5
 
 
 class SlowDown:
@@ -58,10 +65,11 @@ class SlowDown:
         self.factor = factor
         self._clock = clock
         self._sleep = sleep
-        # Seconds still to wait; negative when ahead (slept too long, or a backward
-        # shorter than its estimate).
+        # Seconds still to wait; negative when ahead (slept too long).
         self._owed = 0.0
-        self._backward_s: float | None = None  # the last backward's, the next estimate
+        # The last backwards' seconds: the next backward's wait before it is for the
+        # shortest (Note [The backward's wait comes first]).
+        self._backward_s: deque[float] = deque(maxlen=BACKWARD_WINDOW)
 
     @property
     def factor(self) -> float:
@@ -80,27 +88,26 @@ class SlowDown:
         self._wait((self._factor - 1) * forward_s)
         loss = out[0] if isinstance(out, tuple) else out
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
-            estimate = 2 * forward_s if self._backward_s is None else self._backward_s
-            loss.register_hook(functools.partial(self._on_backward_start, estimate))
+            loss.register_hook(self._on_backward_start)
         return out
 
-    def _on_backward_start(self, estimate_s: float, grad: torch.Tensor) -> torch.Tensor:
+    def _on_backward_start(self, grad: torch.Tensor) -> torch.Tensor:
         # Note [The backward's wait comes first]
-        paid = (self._factor - 1) * estimate_s
-        self._wait(paid)
+        ahead = (self._factor - 1) * min(self._backward_s, default=0.0)
+        self._wait(ahead)
         start = self._clock()
         torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: self._on_backward_end(self._clock() - start, paid)
+            lambda: self._on_backward_end(self._clock() - start, ahead)
         )
         return grad
 
-    def _on_backward_end(self, backward_s: float, paid: float) -> None:
-        self._backward_s = backward_s
-        if self._factor > 1:
-            self._owed += (self._factor - 1) * backward_s - paid
+    def _on_backward_end(self, backward_s: float, waited_ahead: float) -> None:
+        self._backward_s.append(backward_s)
+        self._wait((self._factor - 1) * backward_s - waited_ahead)
 
     def _wait(self, seconds: float) -> None:
-        """Owes ``seconds`` more and sleeps off what is owed, if anything."""
+        """Owes ``seconds`` more (less, if negative) and sleeps off what is owed, if
+        anything."""
         if self._factor <= 1:
             return
         self._owed += seconds
