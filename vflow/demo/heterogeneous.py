@@ -38,11 +38,26 @@ def speeds_label() -> str:
     return ":".join(f"{slowest / f:g}" for f in SLOWDOWN)
 
 
-def steady_step_seconds(outcome: Outcome) -> float:
-    """The median step time over the last half of the steps, when plan="auto" has long
-    planned (it plans after a few steps)."""
-    times = outcome.step_seconds[len(outcome.step_seconds) // 2 :]
+def steady_start(outcomes: Sequence[Outcome]) -> int:
+    """The first steady step: the one after the first step under the automatic plan's
+    last change (that one pays for the change), or after the first step of all."""
+    last = max((c["step"] for o in outcomes for c in o.plan_changes), default=0)
+    return last + 1
+
+
+def steady_step_seconds(outcome: Outcome, start: int) -> float:
+    """The median step time from step ``start`` on."""
+    times = outcome.step_seconds[start:]
     return float(np.median(times)) if times else math.nan
+
+
+def gain_over(even: Outcome, other: Outcome, start: int) -> float:
+    """How many times faster ``other`` is than the even run from step ``start`` on: the
+    median of the per-step ratios, inverted. The two runs' steps interleave (step k of
+    one, then step k of the other), so a step's ratio cancels the load both met; the
+    benchmark (benchmarks/heterogeneous.py) pairs its runs the same way."""
+    ratios = [o / e for e, o in zip(even.step_seconds[start:], other.step_seconds[start:])]
+    return 1 / float(np.median(ratios)) if ratios else math.nan
 
 
 def _unit_models(slowdown: Sequence[float]) -> list[planner.WorkerModel]:
@@ -94,21 +109,24 @@ def table(outcomes: list[Outcome], virtual_nodes: int) -> str:
     the automatic planner's decisions, and the bounds at the speeds set and at the
     speeds measured in the even run."""
     even = next(o for o in outcomes if not o.run.auto_plan)
+    start = steady_start(outcomes)
     headers = ["run", "ms per VN by worker", "steady step ms", "samples/s", "vs even plan",
                "max |param diff| vs first", "plans", "changes after warm-up"]  # fmt: skip
     rows = []
     for o in outcomes:
-        step_s = steady_step_seconds(o)
+        step_s = steady_step_seconds(o, start)
         rows.append([
             o.run.name, " / ".join(f"{1e3 * t:.2f}" for t in o.vn_seconds),
             f"{1e3 * step_s:.1f}", f"{o.run.global_batch / step_s:.0f}",
-            f"{steady_step_seconds(even) / step_s:.2f}x",
+            f"{gain_over(even, o, start):.2f}x",
             f"{o.max_param_diff:.2e}" if o.max_param_diff else "0", _plan_path(o),
             str(changes_after_warmup(o)) if o.run.auto_plan else "-",
         ])  # fmt: skip
     lines = [
         "heterogeneous workers, EMULATED (vflow.planning.SlowDown: worker w waits to run "
-        f"{list(SLOWDOWN)} times slower); steady = median over the last half of the steps",
+        f"{list(SLOWDOWN)} times slower); steady = from step {start} on, after the "
+        "automatic plan's last change; vs even plan = median of the per-step ratios (the "
+        "two runs' steps interleave)",
         format_table(headers, rows),
         *(_decisions_line(o) for o in outcomes if o.run.auto_plan),
         f"bounds over the even plan, compute only (communication and the optimizer do not "
