@@ -142,8 +142,9 @@ class Executor:
         prefetch: prepare the next VN's batch in a background thread while the current
             VN computes (Note [Prefetch] in vflow/data/prefetch.py): slicing, the
             deterministic-mode copy, ``vn_transform`` and, for a model on a GPU and a
-            batch on the CPU, the copy to the GPU on a side stream. Results are the same
-            with and without it.
+            batch on the CPU, the copy to the GPU on a side stream; not for plain slicing
+            or a deterministic-mode copy under 1 MiB a VN, cheaper than the hand-off.
+            Results are the same with and without it.
         vn_transform: ``fn(vn_batch, generator) -> vn_batch`` applied to every VN's
             batch before ``loss_fn`` (decoding, augmentation, collation). It runs in the
             prefetch thread, so it must not use torch's global random generator: draw
