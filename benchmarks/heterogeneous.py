@@ -360,16 +360,6 @@ def _with_calibration(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def paired_ratio(numerator_s: list[float], denominator_s: list[float]) -> float:
-    """The median over the rounds of one run's step time over the other's: the runs
-    are stepped in turn, so a round's two steps meet the same load on shared cores, and
-    the ratio of a round cancels what both met. Taken as auto over the other, as the
-    headline records' paired comparison takes it (with an even number of rounds the
-    median of the inverses is not the inverse of the median), so that the table's
-    verdicts are the records'."""
-    return median([a / b for a, b in zip(numerator_s, denominator_s, strict=True)])
-
-
 def summarize_speeds(b: int, factors: list[float], first: dict[str, Any]) -> dict[str, Any]:
     """Throughputs, the best static plan, the perfect split, ratios and the account of
     the auto run's step, from rank 0's result of ``_speeds_rank`` with every rank's
@@ -394,10 +384,10 @@ def summarize_speeds(b: int, factors: list[float], first: dict[str, Any]) -> dic
     virtual_nodes = sum(first["auto_plan"])
     even_counts = list(vflow.Plan.even(virtual_nodes, len(factors)).counts)
     candidates = [[even_counts, first["even_times_s"]], *first["plan_times_s"]]
-    best_plan, best_times = min(
-        (row for row in candidates if row[1]), key=lambda row: median(row[1])
-    )
-    best_s = median(best_times)
+    plan_medians = [[counts, median(times)] for counts, times in candidates if times]
+    best = min(range(len(plan_medians)), key=lambda k: plan_medians[k][1])
+    best_plan, best_s = plan_medians[best]
+    best_times = next(times for counts, times in candidates if counts == best_plan)
 
     def per_s(seconds: float | None) -> float | None:
         return None if seconds is None else b / seconds
@@ -409,12 +399,15 @@ def summarize_speeds(b: int, factors: list[float], first: dict[str, Any]) -> dic
         "factors": factors,
         "even_samples_per_s": b / even_s,
         "auto_samples_per_s": b / auto_s,
-        "auto_over_even": 1 / paired_ratio(first["auto_times_s"], first["even_times_s"]),
+        # Paired as the headline records pair them (bench_records.paired_ratio: the runs
+        # are stepped in turn), so that the table's verdicts are the records'.
+        "auto_over_even": 1
+        / bench_records.paired_ratio(first["auto_times_s"], first["even_times_s"]),
         "best_plan": best_plan,
         "best_plan_times_s": best_times,
         "best_plan_samples_per_s": b / best_s,
-        "auto_over_best_plan": 1 / paired_ratio(first["auto_times_s"], best_times),
-        "plan_medians_s": [[counts, median(times)] for counts, times in candidates if times],
+        "auto_over_best_plan": 1 / bench_records.paired_ratio(first["auto_times_s"], best_times),
+        "plan_medians_s": plan_medians,
         "perfect_split_s": split_s,
         "perfect_split_samples_per_s": per_s(split_s),
         "perfect_split_source": "calibrated rates + even run's non-compute time of the last worker",

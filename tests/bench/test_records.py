@@ -18,6 +18,7 @@ from vflow.bench.records import (
     evaluate,
     headline,
     measurement,
+    paired_ratio,
     target,
 )
 
@@ -120,6 +121,15 @@ def test_paired_ratio_is_the_median_of_per_pair_ratios() -> None:
     assert row.result == "MISSED"
     unpaired = evaluate({**record, "paired": False})
     assert unpaired.ratio == pytest.approx(2.0)
+
+
+def test_paired_ratio_helper_is_the_median_of_the_per_pair_ratios() -> None:
+    # Per pair 0.8, 1.2 and 0.73: median 0.8, where the ratio of the medians is 0.88.
+    a, b = [0.040, 0.048, 0.044], [0.050, 0.040, 0.060]
+    assert paired_ratio(a, b) == pytest.approx(0.8)
+    # Samples taken back to back: pairs that do not match up are a bug, not noise.
+    with pytest.raises(ValueError, match="paired samples differ in number"):
+        paired_ratio(a, b[:2])
 
 
 def test_a_stated_ratio_that_disagrees_with_the_times_is_caught() -> None:

@@ -239,15 +239,6 @@ def test_the_best_plan_and_the_perfect_split_do_not_depend_on_the_auto_run(
     assert split["limit"]["seconds"] == [pytest.approx(SPLIT_S["2:1"])]
 
 
-def test_paired_ratio_is_the_median_of_the_per_round_ratios() -> None:
-    # Per round 0.8, 1.2 and 0.73: median 0.8, where the ratio of the medians is 0.88.
-    a, b = [0.040, 0.048, 0.044], [0.050, 0.040, 0.060]
-    assert heterogeneous.paired_ratio(a, b) == pytest.approx(0.8)
-    # The runs are stepped in turn: rounds that do not pair up are a bug, not noise.
-    with pytest.raises(ValueError):
-        heterogeneous.paired_ratio(a, b[:2])
-
-
 def test_auto_over_best_plan_and_over_even_are_paired_ratios() -> None:
     first = _rank0("2:1", 0.045)
     first["auto_times_s"] = [0.050, 0.040, 0.060]

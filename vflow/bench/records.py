@@ -281,6 +281,18 @@ def _samples(m: Mapping[str, Any], kind: str) -> list[float]:
     return [_in_unit(m, kind, s) for s in m["seconds"]]
 
 
+def paired_ratio(vflow_s: Sequence[float], baseline_s: Sequence[float]) -> float:
+    """The median over i of ``vflow_s[i] / baseline_s[i]``: the ratio of samples taken
+    back to back (``"paired": true``), each pair meeting the same load, so that its
+    ratio cancels what both met. Not the inverse of the median of the inverse ratios
+    when the count is even."""
+    if len(vflow_s) != len(baseline_s):
+        raise ValueError(
+            f"paired samples differ in number: vflow {len(vflow_s)}, baseline {len(baseline_s)}"
+        )
+    return statistics.median(x / y for x, y in zip(vflow_s, baseline_s))
+
+
 def _ratio(record: Record, kind: str, values: dict[str, float]) -> float | None:
     compare = record.get("compare")
     if compare is None:
@@ -313,7 +325,7 @@ def _ratio(record: Record, kind: str, values: dict[str, float]) -> float | None:
     if compare == "vflow/limit":
         return values["vflow"] / values["limit"]
     if paired:
-        return statistics.median(x / y for x, y in zip(v, b))
+        return paired_ratio(v, b)
     return values["vflow"] / values["baseline"]
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 import vflow
+from vflow.bench import records
 from vflow.bench.table import format_table
 from vflow.demo.mappings import Outcome, Run
 from vflow.planning import planner
@@ -56,8 +57,8 @@ def gain_over(even: Outcome, other: Outcome, start: int) -> float:
     median of the per-step ratios, inverted. The two runs' steps interleave (step k of
     one, then step k of the other), so a step's ratio cancels the load both met; the
     benchmark (benchmarks/heterogeneous.py) pairs its runs the same way."""
-    ratios = [o / e for e, o in zip(even.step_seconds[start:], other.step_seconds[start:])]
-    return 1 / float(np.median(ratios)) if ratios else math.nan
+    other_s, even_s = other.step_seconds[start:], even.step_seconds[start:]
+    return 1 / records.paired_ratio(other_s, even_s) if other_s else math.nan
 
 
 def _unit_models(slowdown: Sequence[float]) -> list[planner.WorkerModel]:
