@@ -50,10 +50,14 @@ def test_short_run_gives_identical_vflow_mappings_and_writes_the_plot(tmp_path: 
     # step's profile dropped, 4 profiled, one step late): [4, 2] takes 4 units against
     # the even plan's 6. Whether it moves depends on the step time's noise, which the
     # other tests running beside this one set (the gain itself: make demo, README);
-    # if it moves, [4, 2] is the only better plan.
+    # if it moves on the warm-up's profiles, [4, 2] is the only better plan. Later
+    # changes follow the speeds measured since ("settled", "drift"), which the tests
+    # beside this one skew: only their shape is checked.
     assert auto["auto_plan"] and auto["plan_decisions"][0].startswith("step 6: ")
     assert "[4, 2]" in auto["plan_decisions"][0], auto["plan_decisions"]
-    assert all(c["counts"] == [4, 2] for c in auto["plan_changes"]), auto["plan_changes"]
+    changes = auto["plan_changes"]
+    assert all(c["counts"] == [4, 2] for c in changes if c["reason"] == "profiled"), changes
+    assert all(sum(c["counts"]) == 6 and c["predicted_gain"] > 1 for c in changes), changes
     assert "heterogeneous workers, EMULATED" in result.stdout
     assert len(auto["step_seconds"]) == len(auto["losses"])
     # The baseline's global batch follows the worker count: 1 x 64 and 2 x 64.
