@@ -10,8 +10,8 @@ one worker alone, whatever happened in between.
 
 The store first (one per cluster; it serves many jobs). It prints ``HOST:PORT`` and runs
 until SIGTERM or Ctrl-C. The c10d store has no authentication: anyone who reaches its
-port can read and change the jobs' state, so it listens on loopback (127.0.0.1) unless
-``--host`` says otherwise::
+port can read and change the jobs' state, so it listens only on the ``--host`` address,
+loopback (127.0.0.1) by default::
 
     python -m vflow rendezvous --port 29400
 
@@ -23,11 +23,13 @@ on::
         --steps 2000 --virtual-nodes 8 --seed 0 --deterministic --out final.pt --sleep 0.2
 
 Several machines: run the store on a host every worker reaches, listening on that
-network (only on a trusted one), e.g. ``python -m vflow rendezvous --host 10.0.0.1
---port 29400``, and start workers anywhere with ``--rdzv 10.0.0.1:29400``. Gloo must
-then use the interface that reaches the other machines: set GLOO_SOCKET_IFNAME (e.g.
-``GLOO_SOCKET_IFNAME=eth0 python examples/train_elastic.py ...``). Without it this
-script keeps Gloo on the loopback interface, which only reaches workers on the same
+host's address on the network that connects them (only a trusted one), e.g.
+``python -m vflow rendezvous --host 10.0.0.1 --port 29400``, and start workers anywhere
+with ``--rdzv 10.0.0.1:29400``. Every worker must reach the store's port, and the workers
+each other's Gloo ports (each listens on an ephemeral port of the interface Gloo binds).
+Set GLOO_SOCKET_IFNAME to the interface that reaches the other machines (e.g.
+``GLOO_SOCKET_IFNAME=eth0 python examples/train_elastic.py ...``): without it this
+script puts Gloo on the loopback interface, which only reaches workers on the same
 machine.
 
 When the job reaches ``--steps``, its lowest-ranked worker writes

@@ -45,7 +45,7 @@ from vflow.planning import (
     planner,
 )
 from vflow.runtime import Executor, LossScaler, PhaseTimings, StepResult, load, save
-from vflow.world import CollectiveError
+from vflow.world import CollectiveError, RefusedNewcomers
 
 __all__ = [
     "_C",
@@ -58,6 +58,7 @@ __all__ = [
     "PlanChange",
     "PlanDecision",
     "Planner",
+    "RefusedNewcomers",
     "StepProfile",
     "StepResult",
     "VNBatchSampler",

@@ -4,6 +4,7 @@ the groups of a round. The rounds themselves run in tests/elastic/test_job.py.""
 from __future__ import annotations
 
 import datetime
+import os
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.support.rendezvous import store_process
+from tests.support.sockets import listening, needs_proc_net
 from vflow.elastic.rendezvous import Round, parse_endpoint, round_group, serve
 
 
@@ -78,3 +80,56 @@ def test_a_rounds_group_and_its_subgroups_work_and_are_checked() -> None:
         round_group(rnd, timeout, name="shrink2", ranks=[1])
     with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl'"):
         round_group(rnd, timeout, backend="mpi")
+
+
+def _listening_after_start(*args: str) -> tuple[str, set[tuple[str, int]]]:
+    """The address ``python -m vflow rendezvous *args`` prints and where it listens."""
+    command = (sys.executable, "-m", "vflow", "rendezvous", "--port", "0", *args)
+    with store_process(command) as (proc, endpoint):
+        assert proc.poll() is None, f"the store process ended: {endpoint!r}"
+        return endpoint, listening(proc.pid)
+
+
+@needs_proc_net
+def test_the_store_process_listens_only_on_loopback_by_default() -> None:
+    endpoint, sockets = _listening_after_start()
+    _, port = parse_endpoint(endpoint)
+    assert sockets == {("127.0.0.1", port)}, f"printed {endpoint}, listens on {sockets}"
+
+
+@needs_proc_net
+def test_the_store_process_listens_only_on_its_host() -> None:
+    # 127.0.0.2 is loopback too on Linux, without configuration, yet not 127.0.0.1.
+    endpoint, sockets = _listening_after_start("--host", "127.0.0.2")
+    assert endpoint.startswith("127.0.0.2:")
+    assert sockets == {("127.0.0.2", parse_endpoint(endpoint)[1])}
+
+
+@needs_proc_net
+def test_serve_listens_on_the_address_a_hostname_resolves_to_and_on_ipv6() -> None:
+    store = serve("localhost", 0)
+    mine = {s for s in listening(os.getpid()) if s[1] == store.port}
+    assert mine == {(store.host, store.port)} and store.host in ("127.0.0.1", "::1")
+    try:
+        ipv6 = serve("::1", 0)
+    except OSError as e:
+        pytest.skip(f"no IPv6 loopback here: {e}")
+    assert {s for s in listening(os.getpid()) if s[1] == ipv6.port} == {("::1", ipv6.port)}
+    client = dist.TCPStore(
+        "::1", ipv6.port, is_master=False, timeout=datetime.timedelta(seconds=10)
+    )
+    client.set("k", b"v")
+    assert ipv6.get("k") == b"v"
+
+
+def test_an_address_of_no_interface_here_is_a_clear_error() -> None:
+    with pytest.raises(OSError, match=r"cannot listen on 192\.0\.2\.1:29400: 192\.0\.2\.1: "):
+        serve("192.0.2.1", 29400)  # TEST-NET-1: never an address of this machine
+    proc = subprocess.run(
+        [sys.executable, "-m", "vflow", "rendezvous", "--host", "192.0.2.1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "python -m vflow rendezvous: cannot listen on 192.0.2.1:0" in proc.stderr

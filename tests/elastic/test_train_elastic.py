@@ -222,3 +222,35 @@ def test_the_readme_lines_grow_crash_and_grow_again_bitwise_as_one_worker(tmp_pa
     assert "vflow step" not in log and "Connection" not in log and "timeout" not in log
     _assert_bitwise_equal(torch.load(out, weights_only=True), torch.load(alone, weights_only=True))
     assert torch.load(out, weights_only=True)["step"] == steps
+
+
+@pytest.mark.slow
+def test_joiners_with_other_settings_are_refused_and_the_job_finishes_bitwise(
+    tmp_path: Path,
+) -> None:
+    """The README's worker line joined by the same line with another --seed, then
+    another --virtual-nodes: each newcomer exits with status 1 naming what differs, and
+    the running job never notices beyond a warning (Note [Refusing newcomers])."""
+    store, worker = _readme_lines()
+    out, alone = tmp_path / "final.pt", tmp_path / "alone.pt"
+    with _readme_store(store) as port:
+        workers = Workers(worker, port, tmp_path)
+        try:
+            workers.start("alone", job="alone", out=str(alone))
+            workers.start("a", out=str(out))
+            workers.wait_for("a", "A training", lambda e: "start" in _reasons(e))
+            for name, flag, value, named in (
+                ("seed", "seed", "1", "seed=1"),
+                ("vns", "virtual-nodes", "4", "virtual_nodes=4"),
+            ):
+                workers.start(name, **{flag: value})
+                assert workers.procs[name].wait(timeout=WAIT_S) == 1, workers.stderr(name)
+                said = workers.stderr(name)
+                assert "refused by the members" in said and named in said, said[-4000:]
+            codes = workers.wait(["a", "alone"], timeout=120)
+            assert codes == {"a": 0, "alone": 0}, workers.stderr("a")[-4000:]
+        finally:
+            workers.kill_all()
+    assert _reasons(workers.events("a")) == ["start", "finish"], workers.events("a")
+    assert "were refused" in workers.stderr("a")
+    _assert_bitwise_equal(torch.load(out, weights_only=True), torch.load(alone, weights_only=True))

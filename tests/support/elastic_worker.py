@@ -6,7 +6,9 @@ stop itself at an exact place of a step.
         [--out FILE] [--deterministic] [--workers K] [--sleep SECONDS]
         [--fault POINT --fault-step S] [--leave-step S] [--sigterm-step S]
         [--min-workers K] [--timeout S] [--last-call S] [--checkpoint FILE]
-        [--auto] [--slow FACTOR]
+        [--max-recoveries N]
+        [--auto] [--slow FACTOR] [--seed S] [--virtual-nodes V] [--hidden H]
+        [--slow-build SECONDS] [--slow-load SECONDS]
 
 Until this worker has seen ``--workers`` workers in its worker set, it sleeps
 ``--sleep`` seconds per step, so that the others can join before the job ends; from
@@ -26,13 +28,19 @@ stderr gets the ``vflow`` logger from DEBUG up and everything else from WARNING 
 ``LEVEL name: message``, so that the tests can check what a recovery logs at which
 level.
 
+``--seed``, ``--virtual-nodes`` and ``--hidden`` (the MLP's width) make a worker that
+the others must refuse; ``--slow-build`` sleeps that long in ``make_executor``,
+``--slow-load`` that long before loading the state sent to it (a joiner past the
+join deadline when longer than ``--timeout``).
+
 ``--auto`` trains with ``plan="auto"``; ``--slow`` makes this worker's compute that
 many times slower (vflow.planning.emulation.SlowDown). The data comes from a
 ``VNBatchSampler`` bound to the current executor (``bind(ex)``, then
 ``step_indices(step)``), so it follows every plan and worker set.
 
 The log file gets one JSON line per committed step ({"step", "rank", "workers",
-"counts", "indices"}) and a last line {"events": [...], "step": ...}. The lowest-ranked worker
+"counts", "indices"}), one per step that raised CollectiveError ({"failed": time.time(),
+"step"}) and a last line {"events": [...], "step": ...}. The lowest-ranked worker
 writes ``--out`` at the end: {"model", "optimizer", "step"}.
 """
 
@@ -56,7 +64,7 @@ from vflow.world import membership
 from vflow.world.group import use_loopback_for_gloo
 
 V, B, SAMPLES, FEATURES, CLASSES = 6, 24, 24 * 8, 8, 3
-SEED = 5
+SEED, HIDDEN = 5, 32
 
 
 def dataset() -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,14 +74,14 @@ def dataset() -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(hidden: int = HIDDEN) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(SEED)
     model = torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, 32),
+        torch.nn.Linear(FEATURES, hidden),
         torch.nn.Tanh(),
-        torch.nn.Linear(32, 32),
+        torch.nn.Linear(hidden, hidden),
         torch.nn.Tanh(),
-        torch.nn.Linear(32, CLASSES),
+        torch.nn.Linear(hidden, CLASSES),
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return model, optimizer
@@ -142,6 +150,7 @@ def main(argv: list[str]) -> int:
         "min_workers",
         "max_workers",
         "checkpoint",
+        "max_recoveries",
         timeout_s=5.0,
         join_timeout_s=60.0,
         last_call_s=0.5,
@@ -158,6 +167,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sigterm-step", type=int)
     parser.add_argument("--leave-step", type=int)
     parser.add_argument("--virtual-nodes", type=int, default=V)
+    parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--hidden", type=int, default=HIDDEN)
+    parser.add_argument("--slow-build", type=float, default=0.0)
+    parser.add_argument("--slow-load", type=float, default=0.0)
     parser.add_argument("--auto", action="store_true")
     parser.add_argument("--slow", type=float, default=1.0)
     args = parser.parse_args(argv)
@@ -170,14 +183,15 @@ def main(argv: list[str]) -> int:
     log = open(args.log, "a", buffering=1)
 
     def make_executor(group: Any, timeout: float) -> vflow.Executor:
-        model, optimizer = build()
+        time.sleep(args.slow_build)
+        model, optimizer = build(args.hidden)
         loss_fn = make_loss(faults)
         ex = vflow.Executor(
             model,
             optimizer,
             SlowDown(loss_fn, args.slow) if args.slow > 1 else loss_fn,
             args.virtual_nodes,
-            seed=SEED,
+            seed=args.seed,
             plan="auto" if args.auto else None,
             process_group=group,
             timeout=timeout,
@@ -218,7 +232,11 @@ def main(argv: list[str]) -> int:
         sampler.bind(ex)  # a newcomer's executor is a new one
         indices, size = sampler.step_indices(step)
         counts = list(ex.plan.counts)
-        result = ex.step((x[indices], y[indices]), global_batch_size=size)
+        try:
+            result = ex.step((x[indices], y[indices]), global_batch_size=size)
+        except vflow.CollectiveError:
+            log.write(json.dumps({"failed": time.time(), "step": step}) + "\n")
+            raise
         record = {
             "step": step,
             "rank": ex.rank,
@@ -231,15 +249,15 @@ def main(argv: list[str]) -> int:
 
     job = elastic.job_from_args(args, keep_alive_s=0.5, keep_alive_attempts=4)
     if args.fault == "recovery":
-        # Dies in the first round after this worker saw a step fail: a second failure
-        # while the survivors re-form.
-        form, step_fn = job._form, train_step
+        # Dies while the survivors of a failed step form their worker set again, after
+        # this worker answered: a second failure during the recovery.
+        recover_group, step_fn = job._group, train_step
         seen_crash = {"yes": False}
 
-        def form_with_fault(*a: Any) -> Any:
+        def group_with_fault(*a: Any) -> Any:
             if seen_crash["yes"]:
                 os.kill(os.getpid(), faults.signum)
-            return form(*a)
+            return recover_group(*a)
 
         def train_step(ex: vflow.Executor, step: int) -> vflow.StepResult:
             try:
@@ -248,7 +266,7 @@ def main(argv: list[str]) -> int:
                 seen_crash["yes"] = True
                 raise
 
-        job._form = form_with_fault  # type: ignore[method-assign]
+        job._group = group_with_fault  # type: ignore[method-assign]
     if args.fault == "receiving":
         deserialize = membership.deserialize
 
@@ -258,6 +276,14 @@ def main(argv: list[str]) -> int:
             return deserialize(data)
 
         membership.deserialize = deserialize_with_fault  # type: ignore[assignment]
+    if args.slow_load > 0:
+        deserialize_slowly = membership.deserialize
+
+        def deserialize_with_delay(data: bytes) -> object:
+            time.sleep(args.slow_load)
+            return deserialize_slowly(data)
+
+        membership.deserialize = deserialize_with_delay  # type: ignore[assignment]
     ex = job.run(make_executor, train_step, args.steps)
     events = [e.__dict__ for e in job.events]
     log.write(json.dumps({"events": events, "step": None if ex is None else ex.step_count}) + "\n")

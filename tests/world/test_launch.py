@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.support.sockets import listening, needs_proc_net
 from vflow.world.launch import RankError, current_store, run_ranks
 
 
@@ -160,3 +161,21 @@ def test_bad_arguments_are_named(kwargs, message):
 def test_unpicklable_fn_is_a_type_error():
     with pytest.raises(TypeError, match="module-level fn and picklable args"):
         run_ranks(1, lambda rank, world_size: rank)
+
+
+def _barrier(rank: int, world_size: int) -> None:
+    dist.barrier()
+
+
+@needs_proc_net
+def test_the_store_listens_only_on_loopback():
+    seen: list[tuple[int, set[tuple[str, int]]]] = []
+
+    def poll(store: dist.TCPStore) -> None:
+        # This process hosts the store: what the kernel says it listens on, on that port.
+        seen.append((store.port, {s for s in listening(os.getpid()) if s[1] == store.port}))
+
+    run_ranks(2, _barrier, timeout=60, collective_timeout=30, poll=poll)
+    assert seen
+    for port, sockets in seen:
+        assert sockets == {("127.0.0.1", port)}

@@ -9,6 +9,14 @@ May import: vflow.mapping, vflow.planning, vflow.data, vflow.world and vflow.run
 """
 
 from vflow.elastic.flags import add_job_arguments, job_from_args
-from vflow.elastic.job import LEAVE, WAITING, ElasticJob, Event
+from vflow.elastic.job import LEAVE, WAITING, ElasticJob, Event, JoinRefused
 
-__all__ = ["LEAVE", "WAITING", "ElasticJob", "Event", "add_job_arguments", "job_from_args"]
+__all__ = [
+    "LEAVE",
+    "WAITING",
+    "ElasticJob",
+    "Event",
+    "JoinRefused",
+    "add_job_arguments",
+    "job_from_args",
+]

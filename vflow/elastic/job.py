@@ -30,13 +30,17 @@ Note [Elastic state machine]
 Every worker runs the same loop; all decisions are taken at step boundaries and from
 values every member holds, so members never disagree on what happens next.
 
+BUILD  the worker builds its executor alone, before it asks to join (Note [Joining
+       ahead]). → ROUND
 ROUND  ``next_round`` (join, or re-join after an event) until the rendezvous completes
-       a round; build its process group; a member checks the worker set
-       (``reconfigure(catch_up=True)``), a newcomer builds its executor on it and
-       receives the state (Note [Joining a worker set]). A round without any member of
-       a job that has started is refused and retried (the members are still on their
-       way), so newcomers never start the job over. → TRAIN; a collective failure here
-       → ROUND again (a second failure during recovery).
+       a round; build its process group; every worker moves its executor onto it
+       (``reconfigure(catch_up=True)``, ``newcomer=True`` for a worker that has not
+       trained in the job): newcomers receive the state (Note [Joining a worker set]).
+       Newcomers the members refuse leave with JoinRefused, and the others form the set
+       again without them (Note [Refusing newcomers]); a worker failing while the set
+       forms is dropped as in a crash (RECOVER; newcomers are not waited for). A round
+       without any member of a job that has started is refused and retried (the members
+       are still on their way), so newcomers never start the job over. → TRAIN
 TRAIN  before each step the worker's signal word says whether it sees workers waiting
        to join (WAITING) and whether it was asked to leave (LEAVE); the words travel in
        the step's statistics (``Executor.signal``), so every member reads all of them
@@ -46,16 +50,61 @@ TRAIN  before each step the worker's signal word says whether it sees workers wa
          fewer than ``min_workers`` remain;
        - else any WAITING → ROUND (grow);
        - a CollectiveError (a peer died, hung past ``timeout_s``, or the group broke)
-         → ROUND (crash). The failed step changed nothing on a worker that raised (the
-         executor's contract), and the data position is the step count, so the same
-         global batch is computed again under the new plan. A member that committed
-         the step while another did not is ahead; catch_up makes the others receive
-         its state.
+         → RECOVER (crash). The failed step changed nothing on a worker that raised
+         (the executor's contract), and the data position is the step count, so the
+         same global batch is computed again under the new plan. A member that
+         committed the step while another did not is ahead; catch_up makes the others
+         receive its state.
+RECOVER the survivors form their worker set again within the round (Note [Recovering
+       within the round]) → TRAIN; a worker left out of it (it answered too late) →
+       ROUND, where it joins the running job again as a grow.
 DONE   ``steps`` reached: the rendezvous is closed (late joiners return None).
+
+Note [Joining ahead]
+Building a model, its optimizer and an Executor takes seconds in a fresh process (the
+first optimizer imports torch._dynamo), more with CUDA or a big model. A worker does
+it before it enters the wait list, on a group of its own (``single_group``), so the
+members' stall for a grow is one agreement and the state's broadcast, and a worker
+slow to start never holds up a round. Its executor then joins with
+``reconfigure(newcomer=True)``, which is what constructing it on the round's group
+would have done.
+
+Note [Recovering within the round]
+Gloo cannot cancel a collective, and a survivor blocked on another survivor (not on
+the dead worker) would wait for ``timeout_s``. But a Gloo group's connections close
+when its last reference goes: so a worker that sees a collective fail first drops its
+group (``Executor.abort_group``), which makes every peer blocked on it fail at once,
+and so on, until every survivor has seen the failure. Then, in the round's store:
+
+1. each survivor writes ``recover<G>/alive/<rank>`` (G: how many worker sets the round
+   has had, the same on all members);
+2. it waits until every other worker of the set has either answered or stopped
+   beating (Note [Beats], vflow/elastic/rendezvous.py), up to ``timeout_s``;
+   newcomers of a set that was forming are not waited for;
+3. the first survivor to get there writes the answered ranks to
+   ``recover<G>/decision`` with compare-and-set; every survivor adopts what is there,
+   so all agree even when they saw different answers;
+4. the ranks of the decision form the next group of the round and ``reconfigure``
+   onto it with ``catch_up``, then redo the failed step.
+
+A survivor not in the decision (it answered after it was made) joins the next round
+and comes back as a grow; a newcomer not in it raises JoinRefused. A failure during
+steps 1-4 starts them again on the next G, up to ``max_recoveries`` times, then the
+worker falls back to a new round. No rendezvous round forms, so a crash costs neither
+the heartbeat expiry nor the last call.
 
 Fewer than ``min_workers`` after a failure: ROUND waits up to ``join_timeout_s`` for
 joiners, then raises RuntimeError, after writing ``checkpoint`` (if given) with
 ``vflow.runtime.save_local``.
+
+Note [The store during a round]
+Training needs no store: the step's collectives run over the group's own connections,
+so a worker set trains on while the store process is down (the poller's reads fail
+quietly). A change of the worker set needs it, and a dead store fails every request at
+once (TCPStore: "Connection reset by peer"), so no worker waits on it: a recovery, a
+shrink or a new round that meets a dead store writes ``checkpoint`` (if given) and
+raises RuntimeError naming the store; ``vflow.load`` resumes from that file in a new
+job.
 
 Note [Saying what a recovery does]
 A lost worker is what an elastic job is for, not an error: the ``vflow`` logger says at
@@ -71,35 +120,46 @@ dead peer closes its connections long before any timeout.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
+import os
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
 from vflow.elastic.rendezvous import (
+    GONE_AFTER_S,
     Rendezvous,
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousGracefulExitError,
+    RendezvousStateError,
     RendezvousTimeoutError,
     Round,
     parse_endpoint,
     round_group,
+    single_group,
 )
 from vflow.runtime import checkpoint as checkpoint_io
 from vflow.runtime.executor import Executor
 from vflow.runtime.results import StepResult
 from vflow.world.group import CollectiveError, World, failure_words
+from vflow.world.membership import RefusedNewcomers
 
-__all__ = ["LEAVE", "WAITING", "ElasticJob", "Event"]
+__all__ = ["LEAVE", "WAITING", "ElasticJob", "Event", "JoinRefused"]
 
 WAITING = 1  # signal bit: this worker sees workers waiting to join
 LEAVE = 2  # signal bit: this worker leaves after this step
+
+# How often a recovering worker looks at the others' answers and beats.
+_RECOVERY_POLL_S = 0.02
 
 MakeExecutor = Callable[[dist.ProcessGroup, float], Executor]
 TrainStep = Callable[[Executor, int], StepResult]
@@ -132,6 +192,35 @@ class _Outcome:
     seen: float  # time.monotonic() when this worker saw it
     workers: int = 0  # the size of this worker's worker set then (0: not a member yet)
     failed_step: int | None = None  # the step that raised CollectiveError, if one did
+    evicted: bool = False  # the rendezvous dropped this worker: only a new round helps
+    left_out: bool = False  # the survivors of a failure went on without this worker
+
+
+@dataclasses.dataclass(frozen=True)
+class _Workers:
+    """This worker's worker set within a round: the round ranks in it, and how many sets
+    the round has had before (every member counts the same: the sets change at the same
+    steps on all of them), which names the set's group and its recovery keys."""
+
+    round: Round
+    ranks: list[int]
+    generation: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"set{self.generation}"
+
+    def without(self, ranks: list[int]) -> _Workers:
+        return self.successor([r for r in self.ranks if r not in ranks])
+
+    def successor(self, ranks: list[int]) -> _Workers:
+        return _Workers(self.round, list(ranks), self.generation + 1)
+
+
+class JoinRefused(RuntimeError):
+    """This worker cannot join the running job: it differs from the members (settings,
+    V, model, optimizer state), it was not needed (more workers than V), or it did not
+    join within the join deadline. The job goes on without it."""
 
 
 class _RoundRefused(Exception):
@@ -157,20 +246,24 @@ class ElasticJob:
             Keep ``max_workers <= V``: every worker needs a VN, so a round with more
             workers than V refuses the newcomers beyond V (they raise RuntimeError).
         timeout_s: bound on every collective of the job's groups: how long a hung
-            worker (SIGSTOP, a wedged host) stalls the others before they drop it.
-            Gloo cannot abort a collective, so this is the only way a hang ends; keep it
-            a few times the longest step.
+            worker (SIGSTOP, a wedged host) stalls the others before they drop it, and
+            the join deadline: a newcomer that has not joined within it is left out.
+            Keep it a few times the longest step.
         join_timeout_s: how long a round may take to form, e.g. while waiting for
             joiners after falling below ``min_workers``. It does not bound a newcomer's
             wait while the running job has no place for it.
         last_call_s: once a round has ``min_workers``, how long it waits for more.
         keep_alive_s / keep_alive_attempts: heartbeat period and the missed heartbeats
-            after which a worker counts as dead; their product bounds crash recovery
-            from below (Note [Rounds without restarts], vflow/elastic/rendezvous.py).
+            after which the rendezvous counts a worker as dead (Note [Rounds without
+            restarts], vflow/elastic/rendezvous.py); crash recovery does not wait for
+            them (Note [Recovering within the round]).
         store_timeout_s: bound on reaching the store.
-        max_recoveries: failed rounds in a row before giving up.
-        checkpoint: a file path; when the job cannot go on (too few workers), this
-            worker writes its state there before raising.
+        max_recoveries: how many times in a row the survivors of a failure may fail
+            to re-form their worker set within the round (then they form a new round),
+            and rounds may fail to form (then ``run`` gives up).
+        checkpoint: a file path; when the job cannot go on (too few workers, the store
+            lost during a change of the worker set), this worker writes its state there
+            before raising.
         handle_sigterm: SIGTERM asks this worker to leave after its current step (only
             when ``run`` is called from the main thread).
         backend: "gloo" (CPU) or "nccl" (one GPU per worker).
@@ -244,6 +337,7 @@ class ElasticJob:
         self.handle_sigterm = handle_sigterm
         self.backend = backend
         self.events: list[Event] = []
+        self._nccl_group: dist.ProcessGroup | None = None
         self._leave = threading.Event()
         self._rendezvous: Rendezvous | None = None
 
@@ -264,8 +358,12 @@ class ElasticJob:
         worker could join. Returns early, with the executor, when this worker left.
 
         ``make_executor(group, timeout_s)`` builds this worker's Executor on ``group``
-        (pass ``process_group=group, timeout=timeout_s``); it runs once, in the first
-        round this worker joins, and must build the same initial state on every worker.
+        (pass ``process_group=group, timeout=timeout_s``); it runs once, before this
+        worker asks to join, with a group of this worker alone (Note [Joining ahead]),
+        and must build the same model, optimizer and settings on every worker. A worker
+        that the job's members refuse (other settings, V or model, a state it cannot
+        load, or too slow to join: past ``timeout_s``) raises JoinRefused naming why;
+        the job goes on without it.
         ``train_step(ex, step)`` runs exactly one ``ex.step`` on global batch ``step``
         (the data position is the step count: see ``VNBatchSampler.step_indices``) and
         returns its StepResult. It must not catch vflow.CollectiveError."""
@@ -275,6 +373,8 @@ class ElasticJob:
             raise TypeError(f"train_step must be callable, got {type(train_step).__name__}")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+        if self.backend == "nccl":
+            _prepare_nccl()
         # Installed first, so that SIGTERM while connecting means "leave", not death.
         previous = None
         if self.handle_sigterm and threading.current_thread() is threading.main_thread():
@@ -306,11 +406,12 @@ class ElasticJob:
     def _run(
         self, rdzv: Rendezvous, make_executor: MakeExecutor, train_step: TrainStep, steps: int
     ) -> Executor | None:
-        ex: Executor | None = None
+        ex = self._build(make_executor)
+        member = False  # whether ex has trained in this job (Note [Joining ahead])
         outcome = _Outcome("start", time.monotonic())
         failures = 0
         while True:
-            if ex is None and self._leave.is_set():
+            if not member and self._leave.is_set():
                 _log.info("vflow elastic: asked to leave job %r before joining it", self.job_id)
                 rdzv.close()
                 return None
@@ -318,7 +419,7 @@ class ElasticJob:
                 rnd = rdzv.next_round()
             except (RendezvousClosedError, RendezvousGracefulExitError):
                 # Graceful exit: the job closed while this worker was on the wait list.
-                if ex is None:
+                if not member:
                     _log.info(
                         "vflow elastic: job %r finished before this worker joined", self.job_id
                     )
@@ -329,9 +430,11 @@ class ElasticJob:
                     f"had steps to run (step {ex.step_count} of {steps})"
                 ) from None
             except RendezvousTimeoutError as e:
-                self._give_up(ex, e)
+                self._give_up(ex if member else None, e)
+            except (RendezvousConnectionError, RendezvousStateError, dist.DistError) as e:
+                self._store_lost(ex if member else None, e, "joining the next round")
             try:
-                ex, members = self._form(rnd, ex, make_executor)
+                workers, members = self._form(rdzv, rnd, ex, member)
             except (CollectiveError, _RoundRefused) as e:
                 failures += 1
                 if failures > self.max_recoveries:
@@ -352,11 +455,34 @@ class ElasticJob:
                     _log.debug("vflow elastic: round %d: %s", rnd.number, e)
                 outcome = dataclasses.replace(outcome, reason="crash")
                 continue
+            member = True
             failures = 0
             if outcome.reason == "crash" and outcome.workers:
                 self._say_recovered(outcome, ex, members)
-            self._record(outcome, ex, rnd.number)
-            outcome = self._train(rdzv, rnd, ex, train_step, steps)
+            if outcome.reason == "grow" and ex.world_size == outcome.workers:
+                # Every newcomer was refused: the worker set did not change.
+                _log.info(
+                    "vflow elastic: nobody joined; going on at step %d with the same %d worker(s)",
+                    ex.step_count,
+                    ex.world_size,
+                )
+            else:
+                self._record(outcome, ex, rnd.number)
+            while True:
+                outcome, workers = self._train(rdzv, workers, ex, train_step, steps)
+                if outcome.reason != "crash" or outcome.evicted:
+                    break
+                recovered = self._recover(rdzv, workers, ex, newcomers=())
+                if recovered is None:
+                    # Not in the survivors' set: the next round, as a member behind.
+                    outcome = dataclasses.replace(outcome, left_out=True)
+                    break
+                workers = recovered
+                self._say_recovered(outcome, ex, ex.world_size)
+                self._record(outcome, ex, rnd.number)
+                if ex.world_size < self.min_workers:
+                    outcome = _Outcome("few", time.monotonic(), ex.world_size)
+                    break
             if outcome.reason == "done":
                 self._record(outcome, ex, rnd.number)
                 rdzv.finish()
@@ -366,17 +492,32 @@ class ElasticJob:
                 _log.info("vflow elastic: left job %r at step %d", self.job_id, ex.step_count)
                 return ex
 
+    def _build(self, make_executor: MakeExecutor) -> Executor:
+        """Note [Joining ahead]: the executor, built before this worker asks to join."""
+        with warnings.catch_warnings():
+            # plan="auto" warns that one process has nothing to plan: this one will have.
+            warnings.filterwarnings("ignore", message="plan='auto' on a single process")
+            ex = make_executor(single_group(timedelta(seconds=self.timeout_s)), self.timeout_s)
+        if not isinstance(ex, Executor):
+            raise TypeError(f"make_executor must return a vflow.Executor, got {type(ex).__name__}")
+        return ex
+
     def _form(
-        self, rnd: Round, ex: Executor | None, make_executor: MakeExecutor
-    ) -> tuple[Executor, int]:
-        """This worker's executor on the round's group, and how many of the round's
-        workers were members of the job before it."""
-        group = self._group(rnd, "main", None)
+        self, rdzv: Rendezvous, rnd: Round, ex: Executor, member: bool
+    ) -> tuple[_Workers, int]:
+        """Moves ``ex`` onto the round's worker set; returns it, and how many of the
+        round's workers were members of the job before it. Newcomers that the members
+        refuse (Note [Refusing newcomers], vflow/world/membership.py) or that fail while
+        the set forms are left out, and the members go on without them; a refused
+        newcomer raises JoinRefused."""
+        workers = _Workers(rnd, list(range(rnd.world_size)))
+        group = self._group(rnd, workers.name, None)
         world = World(group, timedelta(seconds=self.timeout_s))
         started_key = f"vflow/{self.job_id}/started"
-        mine = [int(ex is not None), 0 if ex is None else ex.virtual_nodes]
+        mine = [int(member), ex.virtual_nodes]
         rows = world.gather_ints(mine, "checking the round's members", None)
-        members = [rank for rank, (member, _) in enumerate(rows) if member]
+        del world
+        members = [rank for rank, (is_member, _) in enumerate(rows) if is_member]
         if not members and self._job_store().check([started_key]):
             # The job's members are still on their way to this round (or gone): never
             # start a running job over (Note [Elastic state machine]).
@@ -385,33 +526,152 @@ class ElasticJob:
                 "(they are on their way to a later round)",
                 logging.INFO,
             )
-        virtual_nodes = rows[members[0]][1] if members else world.size
-        if world.size > virtual_nodes:
+        virtual_nodes = rows[members[0]][1] if members else ex.virtual_nodes
+        if rnd.world_size > virtual_nodes:
             # Every worker needs a VN: newcomers beyond V are refused (they end with this
             # error), and the round is formed again without them.
-            newcomers = [rank for rank in range(world.size) if rank not in members]
+            newcomers = [rank for rank in range(rnd.world_size) if rank not in members]
             refused = newcomers[virtual_nodes - len(members) :]
-            if world.rank in refused:
-                raise RuntimeError(
+            if rnd.rank in refused:
+                raise JoinRefused(
                     f"job {self.job_id!r} runs V={virtual_nodes} virtual nodes, at most one "
                     f"worker each, and has {len(members)} worker(s): this worker is not "
                     "needed (pass max_workers <= V to make extra workers wait instead)"
                 )
             raise _RoundRefused(
-                f"round {rnd.number} of job {self.job_id!r} has {world.size} workers for "
+                f"round {rnd.number} of job {self.job_id!r} has {rnd.world_size} workers for "
                 f"V={virtual_nodes}; the workers beyond V were refused (keep max_workers <= V)",
                 logging.WARNING,
             )
-        if ex is None:
-            ex = make_executor(group, self.timeout_s)
-            if not isinstance(ex, Executor):
-                raise TypeError(
-                    f"make_executor must return a vflow.Executor, got {type(ex).__name__}"
+        newcomers = tuple(r for r in workers.ranks if r not in members)
+        while True:
+            failed = False
+            try:
+                self._move(ex, group, newcomer=not member)
+                break
+            except RefusedNewcomers as e:
+                refused = [workers.ranks[r] for r in e.ranks]
+                if rnd.rank in refused:
+                    raise JoinRefused(f"job {self.job_id!r}: {e}") from None
+                _log.warning("vflow elastic: round %d: %s; going on without them", rnd.number, e)
+                workers = workers.without(refused)
+            except CollectiveError as e:
+                _log.warning(
+                    "vflow elastic: a worker failed while round %d formed; the others re-form "
+                    "the worker set without it",
+                    rnd.number,
                 )
-        else:
-            ex.reconfigure(group, timeout=self.timeout_s, catch_up=True)
+                _log.debug("vflow elastic: round %d: %s", rnd.number, e)
+                failed = True
+            # Before any wait: the group's connections close only with its last reference.
+            self._discard(group)
+            del group
+            if failed:
+                recovered = self._recover(rdzv, workers, ex, newcomers)
+                if recovered is not None:
+                    workers = recovered
+                    break
+                if not member:
+                    raise JoinRefused(
+                        f"job {self.job_id!r}: this worker did not join the worker set of round "
+                        f"{rnd.number} within the join deadline (timeout_s={self.timeout_s:g} "
+                        "s); the members went on without it"
+                    )
+                raise _RoundRefused(
+                    f"round {rnd.number} of job {self.job_id!r} re-formed without this worker",
+                    logging.WARNING,
+                )
+            group = self._group(rnd, workers.name, workers.ranks)
         self._job_store().set(started_key, b"1")
-        return ex, len(members)
+        return workers, len(members)
+
+    def _recover(
+        self, rdzv: Rendezvous, workers: _Workers, ex: Executor, newcomers: tuple[int, ...]
+    ) -> _Workers | None:
+        """Note [Recovering within the round]: the survivors of a failed collective form
+        their worker set again in the same round; returns it, or None when this worker
+        is not in it (it joins the next round)."""
+        self._nccl_group = None
+        ex.abort_group()
+        try:
+            return self._agree(rdzv, workers, ex, newcomers)
+        except dist.DistError as e:
+            self._store_lost(ex, e, "the survivors of a failure agreed on who is left")
+
+    def _agree(
+        self, rdzv: Rendezvous, workers: _Workers, ex: Executor, newcomers: tuple[int, ...]
+    ) -> _Workers | None:
+        rnd = workers.round
+        store = rnd.store
+        for attempt in range(self.max_recoveries):
+            prefix = f"vflow/recover{workers.generation}"
+            store.set(f"{prefix}/alive/{rnd.rank}", b"1")
+            survivors = self._survivors(rdzv, workers, prefix, newcomers)
+            decided = json.loads(store.compare_set(f"{prefix}/decision", "", json.dumps(survivors)))
+            if rnd.rank not in decided:
+                _log.warning(
+                    "vflow elastic: the others went on without this worker (it answered "
+                    "after they had agreed on who is left); joining the job again"
+                )
+                return None
+            workers = workers.successor(decided)
+            group = None
+            try:
+                group = self._group(rnd, workers.name, workers.ranks)
+                self._move(ex, group)
+                return workers
+            except CollectiveError as e:
+                if group is not None:
+                    self._discard(group)
+                group = None
+                _log.warning(
+                    "vflow elastic: a worker failed while the survivors re-formed the worker "
+                    "set (attempt %d); trying again",
+                    attempt + 1,
+                )
+                _log.debug("vflow elastic: recovery: %s", e)
+                ex.abort_group()
+            newcomers = ()
+        return None
+
+    def _survivors(
+        self, rdzv: Rendezvous, workers: _Workers, prefix: str, newcomers: tuple[int, ...]
+    ) -> list[int]:
+        """The workers that answered recovery ``prefix``: every other worker either
+        answers or is gone (its beats stopped: Note [Beats], vflow/elastic/rendezvous.py),
+        within ``timeout_s``. Newcomers are not waited for: one that has not answered
+        when the others are settled is left out (a slow joiner never stalls the job)."""
+        store = workers.round.store
+        waited_for = [r for r in workers.ranks if r not in newcomers]
+        deadline = time.monotonic() + self.timeout_s
+        last: dict[int, tuple[int, float]] = {}
+        while True:
+            answered = [r for r in workers.ranks if store.check([f"{prefix}/alive/{r}"])]
+            pending = [r for r in waited_for if r not in answered]
+            now = time.monotonic()
+            if pending:
+                for r, beat in rdzv.beats(pending).items():
+                    if r not in last or last[r][0] != beat:
+                        last[r] = (beat, now)
+                pending = [r for r in pending if now - last[r][1] < GONE_AFTER_S]
+            if not pending or now > deadline:
+                return answered
+            time.sleep(_RECOVERY_POLL_S)
+
+    def _move(self, ex: Executor, group: dist.ProcessGroup, newcomer: bool = False) -> None:
+        """``ex`` onto ``group`` (Note [Joining a worker set]); on NCCL, the group it
+        leaves is shut down (Note [NCCL rounds])."""
+        ex.reconfigure(group, timeout=self.timeout_s, catch_up=True, newcomer=newcomer)
+        if self.backend == "nccl":
+            previous, self._nccl_group = self._nccl_group, group
+            if previous is not None:
+                previous.shutdown()
+
+    def _discard(self, group: dist.ProcessGroup) -> None:
+        """A group that will not be used: NCCL's communicators need an abort (Note [NCCL
+        rounds]); Gloo's sockets close with the last reference."""
+        if self.backend == "nccl":
+            group.abort()
 
     def _group(self, rnd: Round, name: str, ranks: list[int] | None) -> dist.ProcessGroup:
         start = time.monotonic()
@@ -431,10 +691,16 @@ class ElasticJob:
         return self._rendezvous.store
 
     def _train(
-        self, rdzv: Rendezvous, rnd: Round, ex: Executor, train_step: TrainStep, steps: int
-    ) -> _Outcome:
-        round_ranks = list(range(rnd.world_size))  # group rank -> rank in the round
-        shrinks = 0
+        self,
+        rdzv: Rendezvous,
+        workers: _Workers,
+        ex: Executor,
+        train_step: TrainStep,
+        steps: int,
+    ) -> tuple[_Outcome, _Workers]:
+        """Trains on ``workers`` until an event; returns it and the worker set then
+        (smaller after leaves)."""
+        rnd = workers.round
         while ex.step_count < steps:
             if rdzv.evicted():
                 _log.warning(
@@ -442,7 +708,7 @@ class ElasticJob:
                     "re-forming the worker set",
                     rnd.number,
                 )
-                return _Outcome("crash", time.monotonic(), ex.world_size)
+                return _Outcome("crash", time.monotonic(), ex.world_size, evicted=True), workers
             word = (WAITING if rdzv.waiting() else 0) | (LEAVE if self._leave.is_set() else 0)
             ex.signal(word)
             step = ex.step_count
@@ -454,7 +720,7 @@ class ElasticJob:
                     "vflow elastic: %s during step %d%s; re-forming the worker set", who, step, why
                 )
                 _log.debug("vflow elastic: step %d: %s", step, e)
-                return _Outcome("crash", time.monotonic(), ex.world_size, step)
+                return _Outcome("crash", time.monotonic(), ex.world_size, step), workers
             if not isinstance(result, StepResult) or ex.step_count != step + 1:
                 raise RuntimeError(
                     "train_step(ex, step) must run exactly one ex.step(...) and return its "
@@ -465,12 +731,11 @@ class ElasticJob:
             leavers = [r for r, w in enumerate(result.signals) if w & LEAVE]
             if leavers:
                 if ex.rank in leavers:
-                    return _Outcome("left", seen)
-                round_ranks = [rr for r, rr in enumerate(round_ranks) if r not in leavers]
-                shrinks += 1
+                    return _Outcome("left", seen), workers
+                workers = workers.without([workers.ranks[r] for r in leavers])
                 try:
-                    group = self._group(rnd, f"shrink{shrinks}", round_ranks)
-                    ex.reconfigure(group, timeout=self.timeout_s, catch_up=True)
+                    group = self._group(rnd, workers.name, workers.ranks)
+                    self._move(ex, group)
                 except CollectiveError as e:
                     who, why = self._lost_words(e)
                     _log.warning(
@@ -481,14 +746,14 @@ class ElasticJob:
                         why,
                     )
                     _log.debug("vflow elastic: shrinking after step %d: %s", step, e)
-                    return _Outcome("crash", seen, len(round_ranks))
+                    return _Outcome("crash", seen, len(workers.ranks)), workers
                 self._record(_Outcome("leave", seen), ex, rnd.number)
                 if ex.world_size < self.min_workers:
-                    return _Outcome("few", time.monotonic(), ex.world_size)
+                    return _Outcome("few", time.monotonic(), ex.world_size), workers
                 continue
             if any(w & WAITING for w in result.signals):
-                return _Outcome("grow", seen, ex.world_size)
-        return _Outcome("done", time.monotonic())
+                return _Outcome("grow", seen, ex.world_size), workers
+        return _Outcome("done", time.monotonic()), workers
 
     def _lost_words(self, error: CollectiveError) -> tuple[str, str]:
         """Who failed, and why when it was a timeout (Note [Saying what a recovery
@@ -499,11 +764,13 @@ class ElasticJob:
         return "worker lost", ""
 
     def _say_recovered(self, outcome: _Outcome, ex: Executor, members: int) -> None:
-        lost = max(0, outcome.workers - members)
+        lost = 0 if outcome.left_out else max(0, outcome.workers - members)
         workers = f"{ex.world_size} worker{'s' if ex.world_size != 1 else ''}"
         if lost:
             workers += f" ({lost} lost)"
-        if outcome.failed_step is None:
+        if outcome.left_out:
+            _log.info("vflow elastic: joined again at step %d with %s", ex.step_count, workers)
+        elif outcome.failed_step is None:
             _log.info("vflow elastic: going on at step %d with %s", ex.step_count, workers)
         elif ex.step_count == outcome.failed_step:
             _log.info("vflow elastic: redoing step %d with %s", ex.step_count, workers)
@@ -534,6 +801,18 @@ class ElasticJob:
             event.seconds,
         )
 
+    def _store_lost(self, ex: Executor | None, error: Exception, doing: str) -> NoReturn:
+        """Note [The store during a round]: saves this worker's state (with
+        ``checkpoint``) and raises a RuntimeError that says so."""
+        saved = " (pass checkpoint= to keep a worker's state when this happens)"
+        if ex is not None and self.checkpoint is not None:
+            checkpoint_io.save_local(self.checkpoint, ex)
+            saved = f"; this worker's state (step {ex.step_count}) is in {self.checkpoint!r}"
+        raise RuntimeError(
+            f"job {self.job_id!r}: the rendezvous store at {self.rendezvous} cannot be reached "
+            f"while {doing} ({type(error).__name__}: {error}){saved}"
+        ) from error
+
     def _give_up(self, ex: Executor | None, error: Exception) -> None:
         saved = ""
         if ex is not None and self.checkpoint is not None:
@@ -543,6 +822,36 @@ class ElasticJob:
             f"job {self.job_id!r}: fewer than min_workers={self.min_workers} workers for "
             f"{self.join_timeout_s:g} s (no round formed){saved}"
         ) from error
+
+
+# Note [NCCL rounds]
+# Every worker set of a job gets its own group, hence its own NCCL communicators, which
+# (unlike Gloo's sockets) outlive the group's last Python reference: ElasticJob shuts a
+# set's group down once the executor has moved on, and aborts it after a failure
+# (Executor.abort_group). NCCL's watchdog by default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3)
+# kills the process when a collective fails or times out, before vflow could recover:
+# an elastic job asks it to clean up only (2), unless the user chose otherwise. None of
+# this has run here: it needs one GPU per worker (docs/design.md, Limits).
+_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_nccl_said = False
+
+
+def _prepare_nccl() -> None:
+    global _nccl_said
+    chosen = os.environ.setdefault(_NCCL_ERROR_HANDLING, "2")
+    if _nccl_said:
+        return
+    _nccl_said = True
+    _log.warning(
+        "vflow elastic on NCCL: untested on several GPUs (vflow's tests run Gloo); "
+        "%s=%s%s; see docs/design.md, Limits",
+        _NCCL_ERROR_HANDLING,
+        chosen,
+        ""
+        if chosen in ("0", "2")
+        else " makes NCCL's watchdog kill a worker whose collective fails, before vflow "
+        "can recover: set it to 2",
+    )
 
 
 def _positive(value: Any) -> bool:

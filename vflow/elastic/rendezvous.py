@@ -17,16 +17,24 @@ How the handler behaves, and what this module adds to use it from running worker
   or because its keep-alive heartbeats stopped for ``keep_alive_s x
   keep_alive_attempts`` (a crashed or hung worker). Until then, callers wait on the
   wait list. So re-forming the group needs *every* live member to call
-  ``next_round``; a dead one is dropped by its heartbeat expiry, which is what bounds
-  crash recovery from below.
+  ``next_round``; a dead one is dropped only by its heartbeat expiry, which is why
+  vflow.elastic recovers from a crash within the round instead (Note [Recovering within
+  the round], vflow/elastic/job.py) and forms rounds only for newcomers.
 * A process that wants in while a round is complete sits on the wait list.
   ``num_nodes_waiting()`` reads it, but costs a store round trip, so a poller thread
   reads it in the background and ``waiting()`` returns the last count at no cost; the
   members agree on when to act by exchanging it in a step's statistics (vflow.elastic).
   The poller and ``next_round`` never use the handler at the same time.
-* Each round's store is the backend store under the prefix
-  ``torch.rendezvous.<job>.<round>``; process groups of the round live under further
-  prefixes of it (``round_group``), so keys of an old round never meet a new round.
+* Each round's store (``Round.store``) is the backend store under the prefix
+  ``vflow/<job>/round<N>``; process groups of the round live under further prefixes of
+  it (``round_group``), so keys of an old round never meet a new round.
+
+Note [Two connections to the store]
+A TCPStore client sends one request at a time. Creating a process group waits on the
+store for every peer's address, up to the collective timeout when a peer died; on the
+connection that also carries the handler's heartbeats and the beats, that wait would
+starve them, and the rendezvous would drop this live worker. So the rounds' stores
+(groups, recovery keys) use a connection of their own.
 * torchrun's agent makes the round's rank 0 host a TCP store for the workers
   (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` unset). vflow's store is the rendezvous
   store itself, so that sharing is switched off: a worker never hosts anything others
@@ -38,7 +46,8 @@ How the handler behaves, and what this module adds to use it from running worker
   rendezvous for everybody, so it is called only when the job is finished.
 
 The c10d store has no authentication: anybody who can reach its port can read and
-write the job's keys. ``serve`` binds to loopback unless told otherwise.
+write the job's keys. ``serve`` listens on loopback only unless told otherwise (Note
+[Stores listen only where asked] in vflow/world/store.py).
 """
 
 from __future__ import annotations
@@ -57,7 +66,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousGracefulExitError,
+    RendezvousStateError,
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
@@ -67,19 +78,33 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousExitOp,
 )
 
+from vflow.world.store import format_endpoint, host_store
+
 __all__ = [
     "Rendezvous",
     "RendezvousClosedError",
+    "RendezvousConnectionError",
     "RendezvousGracefulExitError",
+    "RendezvousStateError",
     "RendezvousTimeoutError",
     "Round",
     "main",
     "parse_endpoint",
     "round_group",
     "serve",
+    "single_group",
 ]
 
+# Note [Beats]
+# The handler's keep-alive heartbeats tell the rendezvous that a worker is gone only
+# after keep_alive_s x keep_alive_attempts (2 s at least: it polls once a second). Crash
+# recovery within a round (vflow.elastic) needs to know sooner which of its peers are
+# gone, so the poller also adds 1 to a counter of this worker's in the round's store
+# every _POLL_S: a worker whose counter has not moved for GONE_AFTER_S is dead or
+# stopped. A live worker's poller needs the GIL for a moment every _POLL_S, which the
+# step's compute releases, so GONE_AFTER_S is several polls.
 _POLL_S = 0.1
+GONE_AFTER_S = 0.6
 
 
 def parse_endpoint(endpoint: object, name: str = "rendezvous") -> tuple[str, int]:
@@ -94,18 +119,11 @@ def parse_endpoint(endpoint: object, name: str = "rendezvous") -> tuple[str, int
 
 
 def serve(host: str = "127.0.0.1", port: int = 0) -> dist.TCPStore:
-    """Hosts a c10d TCPStore for elastic jobs on ``host:port`` (port 0: any free port).
-    The store has no authentication; keep it on loopback or a trusted network."""
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
-        raise ValueError(f"port must be an int in 0..65535, got {port!r}")
-    return dist.TCPStore(
-        host,
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=60),
-        use_libuv=True,
-    )
+    """Hosts a c10d TCPStore for elastic jobs, listening on ``host:port`` only (port 0:
+    any free port); ``store.host`` is the address it listens on. The store has no
+    authentication; keep it on loopback or a trusted network (Note [Stores listen only
+    where asked], vflow/world/store.py). OSError naming ``host:port`` if it cannot."""
+    return host_store(host, port, timeout=datetime.timedelta(seconds=60))
 
 
 def main(argv: list[str]) -> int:
@@ -114,26 +132,37 @@ def main(argv: list[str]) -> int:
         prog="python -m vflow rendezvous",
         description=(
             "Host the rendezvous store of elastic vflow jobs (workers: vflow.elastic). "
-            "Prints 'HOST:PORT' on its first line and runs until SIGTERM or Ctrl-C. The c10d "
-            "store has no authentication: anyone who reaches the port can read and change "
-            "the jobs' state, so it listens on loopback unless --host says otherwise."
+            "Prints the 'HOST:PORT' it listens on as its first line and runs until SIGTERM or "
+            "Ctrl-C. The c10d store has no authentication: anyone who reaches the port can "
+            "read and change the jobs' state, so it listens only on the --host address "
+            "(loopback by default). Workers on other machines need that address and port "
+            "reachable."
         ),
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the one address to listen on: IPv4, IPv6 or a hostname (default 127.0.0.1)",
+    )
     parser.add_argument("--port", type=int, default=0, help="port (default: any free port)")
     args = parser.parse_args(argv)
     try:
         store = serve(args.host, args.port)
-    except (RuntimeError, ValueError, OSError) as e:
+    except OSError as e:  # names the host and port already
+        print(f"python -m vflow rendezvous: {e}", file=sys.stderr)
+        return 1
+    except (RuntimeError, ValueError) as e:
         print(
-            f"python -m vflow rendezvous: cannot listen on {args.host}:{args.port}: {e}",
+            f"python -m vflow rendezvous: cannot listen on "
+            f"{format_endpoint(args.host, args.port)}: {e}",
             file=sys.stderr,
         )
         return 1
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    print(f"{args.host}:{store.port}", flush=True)
+    # The address it listens on (a hostname resolved), so the line is what workers need.
+    print(format_endpoint(store.host, store.port), flush=True)
     while not stop.wait(0.5):
         pass
     return 0
@@ -171,6 +200,23 @@ def round_group(
         raise ValueError(f"ranks {members} do not include this worker's {rendezvous_round.rank}")
     rank, size = members.index(rendezvous_round.rank), len(members)
     store = dist.PrefixStore(f"vflow/{name}", rendezvous_round.store)
+    return _group_on(store, rank, size, timeout, backend, f"round {rendezvous_round.number}/{name}")
+
+
+def single_group(timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A Gloo group of this process alone, on a store of its own: what an elastic
+    worker builds its executor on before it joins (vflow.elastic)."""
+    return _group_on(dist.HashStore(), 0, 1, timeout, "gloo", "this worker alone")
+
+
+def _group_on(
+    store: dist.Store,
+    rank: int,
+    size: int,
+    timeout: datetime.timedelta,
+    backend: str,
+    name: str,
+) -> dist.ProcessGroup:
     group = dist.ProcessGroup(store, rank, size)
     if backend == "gloo":
         impl = dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -183,7 +229,7 @@ def round_group(
     group._set_default_backend(kind)
     group._register_backend(device, kind, impl)
     # Errors then name the round and the group instead of "default".
-    group._set_group_name(f"round {rendezvous_round.number}/{name}")
+    group._set_group_name(name)
     return group
 
 
@@ -208,12 +254,16 @@ class Rendezvous:
     ) -> None:
         host, port = parse_endpoint(endpoint)
         try:
-            self._store = dist.TCPStore(
-                host,
-                port,
-                is_master=False,
-                timeout=datetime.timedelta(seconds=store_timeout_s),
-                use_libuv=True,
+            # Two connections (Note [Two connections to the store]).
+            self._store, self._round_connection = (
+                dist.TCPStore(
+                    host,
+                    port,
+                    is_master=False,
+                    timeout=datetime.timedelta(seconds=store_timeout_s),
+                    use_libuv=True,
+                )
+                for _ in range(2)
             )
         except (RuntimeError, OSError) as e:
             raise RuntimeError(
@@ -244,6 +294,7 @@ class Rendezvous:
         self._waiting = 0
         self._evicted = False
         self._in_round = False
+        self._round: Round | None = None
         self._closed = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="vflow-rendezvous", daemon=True)
         self._poller.start()
@@ -263,8 +314,10 @@ class Rendezvous:
             self._handler._keep_alive()
             self._waiting = 0
             self._evicted = False
+            store = dist.PrefixStore(f"vflow/{self.job_id}/round{number}", self._round_connection)
+            self._round = Round(number, info.rank, info.world_size, store)
             self._in_round = True
-        return Round(number, info.rank, info.world_size, info.store)
+        return self._round
 
     @property
     def store(self) -> dist.Store:
@@ -274,6 +327,17 @@ class Rendezvous:
     def waiting(self) -> int:
         """Workers waiting to join, as last seen by the poller (0 outside a round)."""
         return self._waiting
+
+    def beats(self, ranks: list[int]) -> dict[int, int]:
+        """How many times each of the current round's ``ranks`` has beaten (Note [Beats]):
+        a count that stops moving is a worker gone (killed, stopped, or out of the round)."""
+        rnd = self._round
+        if rnd is None:
+            raise RuntimeError("beats() outside a round")
+        return {r: int(self._store.add(self._beat_key(rnd, r), 0)) for r in ranks}
+
+    def _beat_key(self, rnd: Round, rank: int) -> str:
+        return f"vflow/{self.job_id}/round{rnd.number}/beat/{rank}"
 
     def evicted(self) -> bool:
         """Whether the rendezvous dropped this worker from its round (its heartbeats
@@ -311,9 +375,10 @@ class Rendezvous:
     def _poll(self) -> None:
         while not self._closed.wait(_POLL_S):
             with self._lock:
-                if not self._in_round:
+                if not self._in_round or self._round is None:
                     continue
                 try:
+                    self._store.add(self._beat_key(self._round, self._round.rank), 1)
                     self._waiting = self._handler.num_nodes_waiting()  # syncs the state
                     state = self._handler._state_holder.state
                     self._evicted = self._handler._this_node not in state.participants

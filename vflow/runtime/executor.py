@@ -54,7 +54,14 @@ from vflow.runtime.results import StepResult
 from vflow.runtime.step_run import StepInputs, StepRun, profiled
 from vflow.runtime.step_stats import StatsLayout
 from vflow.world import membership
-from vflow.world.group import World, check_plan, default_plan, resolve_group, to_timedelta
+from vflow.world.group import (
+    World,
+    backend_name,
+    check_plan,
+    default_plan,
+    resolve_group,
+    to_timedelta,
+)
 
 LossFn = Callable[[torch.nn.Module, Batch], Any]
 
@@ -414,6 +421,7 @@ class Executor:
         *,
         timeout: float | datetime.timedelta | None = None,
         catch_up: bool = False,
+        newcomer: bool = False,
     ) -> None:
         """Moves this executor to another worker set between steps: ``process_group``
         (None: this process alone) with ``plan`` (default ``Plan.even(V, size)``).
@@ -432,10 +440,18 @@ class Executor:
         the others' receive the training state of a member at the highest step count
         instead of raising; vflow.elastic uses it after a worker set broke during a step
         that some members committed and others did not.
+
+        ``newcomer``: this executor has not trained with the others (it was built ahead of
+        joining, on no group): it takes part as a constructor on ``process_group`` would,
+        receiving the members' training state, or rank 0's parameters when nobody is a
+        member yet (``broadcast_parameters``). Newcomers that differ from agreeing
+        members, or cannot load their state, make every rank raise ``RefusedNewcomers``
+        naming them (Note [Refusing newcomers], vflow/world/membership.py).
         """
         self._check_open()
-        if not isinstance(catch_up, bool):
-            raise TypeError(f"catch_up must be a bool, got {type(catch_up).__name__}")
+        for name, flag in (("catch_up", catch_up), ("newcomer", newcomer)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         config = self.config
         if timeout is not None:
             config = dataclasses.replace(config, timeout=to_timedelta(timeout))
@@ -449,7 +465,7 @@ class Executor:
             world,
             self._agreement_columns(plan, self._params),
             membership.Candidate(
-                member=True,
+                member=not newcomer,
                 step_count=self.step_count,
                 progress=repr(
                     (progress, None if self.scaler is None else self.scaler.state_dict())
@@ -458,12 +474,31 @@ class Executor:
             ),
             state_bytes=self._state_bytes,
             load_state=self._load_state_bytes,
-            fresh_start=lambda: None,
-        )
-        self._grads.set_world(
-            world.group, config.timeout.total_seconds(), world.description, prepared
+            fresh_start=lambda: self._broadcast_initial(world, self._params) if newcomer else None,
         )
         self.config = config
+        self._take_world(world, plan, prepared)
+
+    def abort_group(self) -> None:
+        """Drops this executor's process group now, after a ``CollectiveError``: its
+        connections close at once, so that peers still blocked on this worker in a
+        collective fail now rather than at their timeout (a Gloo collective cannot be
+        cancelled otherwise). The executor runs alone (plan ``[V]``) until the next
+        ``reconfigure``; its training state is untouched. An NCCL group is aborted as
+        well: its communicators, unlike Gloo's sockets, outlive the last reference."""
+        self._check_open()
+        broken = self._world.group
+        if broken is not None and backend_name(broken) == "nccl":
+            broken.abort()
+        world = World(None, self.config.timeout)
+        plan = Plan.even(self.virtual_nodes, 1)
+        self._take_world(world, plan, self._grads.reduction.prepare_world(plan, world.rank))
+
+    def _take_world(self, world: World, plan: Plan, prepared: object) -> None:
+        """Rebuilds what depends on the worker set (the rest of ``reconfigure``)."""
+        self._grads.set_world(
+            world.group, self.config.timeout.total_seconds(), world.description, prepared
+        )
         self._world = world
         self._plan = plan
         # Cannot wait for drawn batches: the old worker set may be gone. ``step`` refuses

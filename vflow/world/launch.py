@@ -13,7 +13,7 @@ Design choices:
   picks a free port: parallel runs never collide, and no rank's exit takes the store
   down with it. The store has no authentication: anything on this machine that can
   open a loopback connection can read and write it while the run lasts. It never
-  listens on another interface.
+  listens on another interface (Note [Stores listen only where asked], store.py).
 * Every wait is bounded. ``collective_timeout`` bounds the rendezvous and every
   collective inside a rank; ``timeout`` bounds the whole run in the parent, which then
   stops the ranks still alive and raises ``TimeoutError`` naming them, with the Python
@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from vflow.world.group import use_loopback_for_gloo
+from vflow.world.store import host_store
 
 __all__ = ["HOST", "STORE_ENV", "RankError", "RankResult", "current_store", "run_ranks"]
 
@@ -139,11 +140,9 @@ def run_ranks(
         raise TypeError(f"run_ranks needs a module-level fn and picklable args: {exc!r}") from exc
 
     ctx = mp.get_context("spawn")
-    # world_size=None with wait_for_workers=False: the parent is not a rank and must not
-    # block; the ranks' own rendezvous in init_process_group does the waiting.
-    store = dist.TCPStore(
-        HOST, 0, None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
-    )
+    # The parent is not a rank and must not block (host_store waits for no client); the
+    # ranks' own rendezvous in init_process_group does the waiting.
+    store = host_store(HOST, 0, timeout=timedelta(seconds=timeout))
     with tempfile.TemporaryDirectory(prefix="vflow-ranks-") as tmp:
         out_dir = Path(tmp)
         settings = _RankSettings(world_size, store.port, collective_timeout, threads, str(out_dir))

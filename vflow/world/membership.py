@@ -28,6 +28,14 @@ group, a sequence of collectives that every rank issues in the same order:
 Nothing of a member changes until the protocol has succeeded, so a failure leaves its
 executor on its old worker set. A newcomer whose protocol fails raises from its
 constructor, leaving no hooks behind.
+
+Note [Refusing newcomers]
+When the members agree with each other and only newcomers (or members behind, under
+``catch_up``) differ from them, or fail to load the state, the fault is theirs: every
+rank raises ``RefusedNewcomers`` naming those ranks, so that the members can form the
+worker set again without them (vflow.elastic does) while each refused rank learns what
+it got wrong. Only when the members themselves differ, or nobody is a member yet, does
+every rank raise the plain error: there is no running worker set to keep.
 """
 
 from __future__ import annotations
@@ -53,23 +61,78 @@ class Column:
     shown: str
 
 
+class RefusedNewcomers(ValueError):
+    """Note [Refusing newcomers]: the ranks of the new group (``ranks``) that joined
+    without matching the members, or could not load their state; raised on every rank.
+    Nothing changed on any rank."""
+
+    def __init__(self, message: str, ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+
 def check_agreement(
     world: World, columns: Sequence[Column], extra: Sequence[int] = (), step: int | None = None
 ) -> list[list[int]]:
     """Raises on every rank unless all ranks hold the same ``columns``; returns every
     rank's ``extra`` integers (one all-gather for both)."""
-    row = [fingerprint(c.text) for c in columns] + list(extra)
-    table = world.gather_ints(row, _AGREEMENT, step)
+    table = _agreement_table(world, columns, extra, step)
+    _check_table(world, columns, table)
+    return [r[len(columns) :] for r in table]
+
+
+def _check_table(world: World, columns: Sequence[Column], table: list[list[int]]) -> None:
     for k, column in enumerate(columns):
         differ = [r for r in range(world.size) if table[r][k] != table[world.rank][k]]
         if differ:
-            raise ValueError(
-                f"ranks disagree on the {column.name}: rank(s) {differ} of "
-                f"{world.description} differ from this rank, which has {column.shown}; every "
-                "rank must construct the Executor (and call set_plan or reconfigure) with the "
-                "same value"
-            )
-    return [r[len(columns) :] for r in table]
+            raise ValueError(_disagreement(world, column, differ))
+
+
+def _agreement_table(
+    world: World, columns: Sequence[Column], extra: Sequence[int], step: int | None
+) -> list[list[int]]:
+    row = [fingerprint(c.text) for c in columns] + list(extra)
+    return world.gather_ints(row, _AGREEMENT, step)
+
+
+def _disagreement(world: World, column: Column, differ: Sequence[int]) -> str:
+    return (
+        f"ranks disagree on the {column.name}: rank(s) {list(differ)} of "
+        f"{world.description} differ from this rank, which has {column.shown}; every rank "
+        "must construct the Executor (and call set_plan or reconfigure) with the same value"
+    )
+
+
+def _refuse_differing_newcomers(
+    world: World, columns: Sequence[Column], table: list[list[int]], members: list[int]
+) -> None:
+    """Note [Refusing newcomers]: raises RefusedNewcomers when the members agree and
+    some other ranks differ from them."""
+    reference = table[members[0]]
+    if any(table[r][: len(columns)] != reference[: len(columns)] for r in members):
+        return  # the members themselves differ: check_agreement's error
+    differ: dict[int, list[Column]] = {}
+    for r in range(world.size):
+        for k, column in enumerate(columns):
+            if table[r][k] != reference[k]:
+                differ.setdefault(r, []).append(column)
+    if not differ:
+        return
+    refused = sorted(differ)
+    if world.rank in differ:
+        names = ", ".join(f"the {c.name} (this worker has {c.shown})" for c in differ[world.rank])
+        raise RefusedNewcomers(
+            f"this worker was refused by the members of {world.description}: it differs from "
+            f"them on {names}; it must be started with the same settings and model as the "
+            "running job",
+            refused,
+        )
+    names = sorted({c.name for cols in differ.values() for c in cols})
+    raise RefusedNewcomers(
+        f"new rank(s) {refused} of {world.description} differ from the members on the "
+        f"{', '.join(names)} and were refused; the worker set was not changed",
+        refused,
+    )
 
 
 @dataclass(frozen=True)
@@ -101,8 +164,12 @@ def join(
         fingerprint(candidate.progress),
         int(candidate.catch_up),
     ]
-    rows = check_agreement(world, columns, extra)
+    table = _agreement_table(world, columns, extra, None)
+    rows = [r[len(columns) :] for r in table]
     members = [r for r, (member, _, _, _) in enumerate(rows) if member]
+    if members:
+        _refuse_differing_newcomers(world, columns, table, members)
+    _check_table(world, columns, table)
     if not members:
         fresh_start()
         return
@@ -158,14 +225,21 @@ def _send_state(
             undo()
         raise
     if error is not None:
-        raise error
+        failed = [r for r, (ok,) in enumerate(flags) if not ok]
+        raise RefusedNewcomers(
+            f"this worker could not load the training state the members of "
+            f"{world.description} sent: {type(error).__name__}: {error}",
+            failed,
+        ) from error
     failed = [r for r, (ok,) in enumerate(flags) if not ok]
     if failed:
         if undo is not None:
             undo()
-        raise RuntimeError(
+        raise RefusedNewcomers(
             f"rank(s) {failed} of {world.description} could not load the training state sent "
-            "to new members (their errors say why); the worker set was not changed"
+            "to new members (their errors say why) and were refused; the worker set was not "
+            "changed",
+            failed,
         )
 
 
