@@ -1,7 +1,8 @@
 """examples/train_elastic.py as a user runs it: the README's lines ("### Elastic jobs"),
 as written but for the port and the ``--out`` path, start the store and a worker; the
 same line started again adds a worker, which then dies of SIGKILL, and once more adds
-another. The job ends with an ``--out`` file bitwise equal to the same line run alone
+another; or the same line with another ``--seed`` or ``--virtual-nodes``, which the job
+refuses. The job ends with an ``--out`` file bitwise equal to the same line run alone
 under another job id. The store and every worker are subprocesses; every wait is bounded
 and every process is killed at the end."""
 
@@ -183,30 +184,39 @@ def test_help_lists_the_required_flags() -> None:
     assert "python -m vflow rendezvous" in done.stdout
 
 
-@pytest.mark.slow
-def test_the_readme_lines_grow_crash_and_grow_again_bitwise_as_one_worker(tmp_path: Path) -> None:
+@contextmanager
+def _readme_job(tmp_path: Path) -> Iterator[tuple[Workers, Path, Path]]:
+    """The README's store, and its worker line started twice: alone under another job
+    id (the reference, which writes the second path) and as worker "a" of the job
+    (which writes the first), once it trains. Every worker is killed on the way out."""
     store, worker = _readme_lines()
-    steps = int(worker[worker.index("--steps") + 1])
     out, alone = tmp_path / "final.pt", tmp_path / "alone.pt"
     with _readme_store(store) as port:
         workers = Workers(worker, port, tmp_path)
         try:
-            # The same line alone under another job id, meanwhile: the reference.
             workers.start("alone", job="alone", out=str(alone))
             workers.start("a", out=str(out))
             workers.wait_for("a", "A training", lambda e: "start" in _reasons(e))
-            workers.start("b", out=str(out))
-            workers.wait_for("a", "B joining", lambda e: "grow" in _reasons(e))
-            workers.procs["b"].kill()
-            assert workers.procs["b"].wait(timeout=30) == -signal.SIGKILL
-            # C starts once A trains alone again, so that it joins a running job rather
-            # than the recovery round.
-            workers.wait_for("a", "A going on without B", lambda e: "crash" in _reasons(e))
-            workers.start("c", out=str(out))
-            codes = workers.wait(["a", "c", "alone"], timeout=120)
-            assert codes == {"a": 0, "c": 0, "alone": 0}, workers.stderr("a")[-4000:]
+            yield workers, out, alone
         finally:
             workers.kill_all()
+
+
+@pytest.mark.slow
+def test_the_readme_lines_grow_crash_and_grow_again_bitwise_as_one_worker(tmp_path: Path) -> None:
+    _, worker = _readme_lines()
+    steps = int(worker[worker.index("--steps") + 1])
+    with _readme_job(tmp_path) as (workers, out, alone):
+        workers.start("b", out=str(out))
+        workers.wait_for("a", "B joining", lambda e: "grow" in _reasons(e))
+        workers.procs["b"].kill()
+        assert workers.procs["b"].wait(timeout=30) == -signal.SIGKILL
+        # C starts once A trains alone again, so that it joins a running job rather than
+        # the survivors' recovery.
+        workers.wait_for("a", "A going on without B", lambda e: "crash" in _reasons(e))
+        workers.start("c", out=str(out))
+        codes = workers.wait(["a", "c", "alone"], timeout=120)
+        assert codes == {"a": 0, "c": 0, "alone": 0}, workers.stderr("a")[-4000:]
 
     a = workers.events("a")
     assert _reasons(a) == ["start", "grow", "crash", "grow", "finish"], a
@@ -231,26 +241,17 @@ def test_joiners_with_other_settings_are_refused_and_the_job_finishes_bitwise(
     """The README's worker line joined by the same line with another --seed, then
     another --virtual-nodes: each newcomer exits with status 1 naming what differs, and
     the running job never notices beyond a warning (Note [Refusing newcomers])."""
-    store, worker = _readme_lines()
-    out, alone = tmp_path / "final.pt", tmp_path / "alone.pt"
-    with _readme_store(store) as port:
-        workers = Workers(worker, port, tmp_path)
-        try:
-            workers.start("alone", job="alone", out=str(alone))
-            workers.start("a", out=str(out))
-            workers.wait_for("a", "A training", lambda e: "start" in _reasons(e))
-            for name, flag, value, named in (
-                ("seed", "seed", "1", "seed=1"),
-                ("vns", "virtual-nodes", "4", "virtual_nodes=4"),
-            ):
-                workers.start(name, **{flag: value})
-                assert workers.procs[name].wait(timeout=WAIT_S) == 1, workers.stderr(name)
-                said = workers.stderr(name)
-                assert "refused by the members" in said and named in said, said[-4000:]
-            codes = workers.wait(["a", "alone"], timeout=120)
-            assert codes == {"a": 0, "alone": 0}, workers.stderr("a")[-4000:]
-        finally:
-            workers.kill_all()
+    with _readme_job(tmp_path) as (workers, out, alone):
+        for name, flag, value, named in (
+            ("seed", "seed", "1", "seed=1"),
+            ("vns", "virtual-nodes", "4", "virtual_nodes=4"),
+        ):
+            workers.start(name, **{flag: value})
+            assert workers.procs[name].wait(timeout=WAIT_S) == 1, workers.stderr(name)
+            said = workers.stderr(name)
+            assert "refused by the members" in said and named in said, said[-4000:]
+        codes = workers.wait(["a", "alone"], timeout=120)
+        assert codes == {"a": 0, "alone": 0}, workers.stderr("a")[-4000:]
     assert _reasons(workers.events("a")) == ["start", "finish"], workers.events("a")
     assert "were refused" in workers.stderr("a")
     _assert_bitwise_equal(torch.load(out, weights_only=True), torch.load(alone, weights_only=True))

@@ -802,26 +802,36 @@ class ElasticJob:
         )
 
     def _store_lost(self, ex: Executor | None, error: Exception, doing: str) -> NoReturn:
-        """Note [The store during a round]: saves this worker's state (with
-        ``checkpoint``) and raises a RuntimeError that says so."""
-        saved = " (pass checkpoint= to keep a worker's state when this happens)"
-        if ex is not None and self.checkpoint is not None:
-            checkpoint_io.save_local(self.checkpoint, ex)
-            saved = f"; this worker's state (step {ex.step_count}) is in {self.checkpoint!r}"
-        raise RuntimeError(
-            f"job {self.job_id!r}: the rendezvous store at {self.rendezvous} cannot be reached "
-            f"while {doing} ({type(error).__name__}: {error}){saved}"
-        ) from error
+        """Note [The store during a round]."""
+        self._save_and_raise(
+            ex,
+            error,
+            f"the rendezvous store at {self.rendezvous} cannot be reached while {doing} "
+            f"({type(error).__name__}: {error})",
+            " (pass checkpoint= to keep a worker's state when this happens)",
+        )
 
-    def _give_up(self, ex: Executor | None, error: Exception) -> None:
-        saved = ""
+    def _give_up(self, ex: Executor | None, error: Exception) -> NoReturn:
+        self._save_and_raise(
+            ex,
+            error,
+            f"fewer than min_workers={self.min_workers} workers for "
+            f"{self.join_timeout_s:g} s (no round formed)",
+            "",
+        )
+
+    def _save_and_raise(
+        self, ex: Executor | None, error: Exception, what: str, unsaved: str
+    ) -> NoReturn:
+        """The job cannot go on for this worker: writes its state to ``checkpoint`` (if
+        given, and if it has trained in the job) and raises a RuntimeError saying
+        ``what`` happened and where the state is (``unsaved``: what to say when it was
+        not written)."""
+        saved = unsaved
         if ex is not None and self.checkpoint is not None:
             checkpoint_io.save_local(self.checkpoint, ex)
             saved = f"; this worker's state (step {ex.step_count}) is in {self.checkpoint!r}"
-        raise RuntimeError(
-            f"job {self.job_id!r}: fewer than min_workers={self.min_workers} workers for "
-            f"{self.join_timeout_s:g} s (no round formed){saved}"
-        ) from error
+        raise RuntimeError(f"job {self.job_id!r}: {what}{saved}") from error
 
 
 # Note [NCCL rounds]
