@@ -589,21 +589,36 @@ def test_a_worker_arriving_after_the_job_finished_returns_none(job: Job) -> None
     assert job.lines("late")[-1] == {"events": [], "step": None}
 
 
-def test_workers_beyond_v_are_refused_and_the_job_goes_on(job: Job) -> None:
-    # The test worker's last call of 0.5 s, under torch's handler's 1 s polling, lets a
-    # member miss the round that the others form with a joiner (see _LAST_CALL_S in
-    # vflow/demo/elastic_scenario.py): b's place would go to c, which would then train
-    # as a member instead of being refused. ElasticJob's default last call is 1 s.
-    common = ("--virtual-nodes", "2", "--last-call", "1.5")
+def test_a_worker_knocking_at_a_full_job_gives_up_after_the_join_timeout(job: Job) -> None:
+    """V=2 and two workers: a third one waits for a place (Note [Joining a running
+    job]) for --join-timeout, then leaves with JoinRefused; the job never notices."""
+    common = ("--virtual-nodes", "2")
     job.workers = 3  # never reached: a and b train slowly to the end, c arrives in time
-    job.start("a", *common, steps=40)
+    job.start("a", *common, steps=60)
     job.wait_steps("a", 1)
-    job.start("b", *common, steps=40)
+    job.start("b", *common, steps=60)
     job.wait_steps("b", 1)
-    job.start("c", *common, steps=40)  # a third worker for V=2
+    job.start("c", *common, "--join-timeout", "3", steps=60)
+    assert job.procs["c"].wait(timeout=60) == 1
+    said = job.stderr("c")
+    assert "JoinRefused" in said and "did not take this worker in within join_timeout_s=3" in said
     codes = job.wait()
-    assert codes["c"] == 1 and "this worker is not needed" in job.stderr("c")
     assert codes["a"] == 0 and codes["b"] == 0, job.stderr("a")
+    _assert_same_training(job, steps=60, virtual_nodes=2)
+    assert max(line["workers"] for line in job.steps("a")) == 2
+
+
+def test_workers_beyond_v_in_the_first_round_are_refused_and_the_job_goes_on(job: Job) -> None:
+    # Three workers for V=2 started together, within one last call: the job's first
+    # round has three, and the one beyond V is refused.
+    common = ("--virtual-nodes", "2", "--last-call", "3")
+    job.workers = 2
+    for worker in "abc":
+        job.start(worker, *common, steps=40)
+    codes = job.wait()
+    refused = [w for w, code in codes.items() if code == 1]
+    assert len(refused) == 1 and sorted(codes.values()) == [0, 0, 1], codes
+    assert "this worker is not needed" in job.stderr(refused[0])
     _assert_same_training(job, steps=40, virtual_nodes=2)
 
 

@@ -31,8 +31,10 @@ Every worker runs the same loop; all decisions are taken at step boundaries and 
 values every member holds, so members never disagree on what happens next.
 
 BUILD  the worker builds its executor alone, before it asks to join (Note [Joining
-       ahead]). → ROUND
-ROUND  ``next_round`` (join, or re-join after an event) until the rendezvous completes
+       ahead]). → KNOCK if the job has started, else ROUND
+KNOCK  the worker asks the running worker set to take it in and waits for its answer
+       (Note [Joining a running job]); then as ROUND, on the set it was let into.
+ROUND  ``next_round`` (the job's start, or a fallback) until the rendezvous completes
        a round; build its process group; every worker moves its executor onto it
        (``reconfigure(catch_up=True)``, ``newcomer=True`` for a worker that has not
        trained in the job): newcomers receive the state (Note [Joining a worker set]).
@@ -48,7 +50,9 @@ TRAIN  before each step the worker's signal word says whether it sees workers wa
        - any LEAVE: leavers leave the rendezvous and return; the others shrink to a
          group of the same round without them (no new round) → TRAIN, or → ROUND when
          fewer than ``min_workers`` remain;
-       - else any WAITING → ROUND (grow);
+       - else any WAITING: the members let in the workers that knocked, within the
+         round (grow; Note [Joining a running job]), or, when only the rendezvous'
+         wait list has workers (they came before the job started), → ROUND;
        - a CollectiveError (a peer died, hung past ``timeout_s``, or the group broke)
          → RECOVER (crash). The failed step changed nothing on a worker that raised
          (the executor's contract), and the data position is the step count, so the
@@ -57,7 +61,7 @@ TRAIN  before each step the worker's signal word says whether it sees workers wa
          receive its state.
 RECOVER the survivors form their worker set again within the round (Note [Recovering
        within the round]) → TRAIN; a worker left out of it (it answered too late) →
-       ROUND, where it joins the running job again as a grow.
+       KNOCK, and comes back as a grow; out of attempts → ROUND (all of them).
 DONE   ``steps`` reached: the rendezvous is closed (late joiners return None).
 
 Note [Joining ahead]
@@ -93,9 +97,34 @@ steps 1-4 starts them again on the next G, up to ``max_recoveries`` times, then 
 worker falls back to a new round. No rendezvous round forms, so a crash costs neither
 the heartbeat expiry nor the last call.
 
-Fewer than ``min_workers`` after a failure: ROUND waits up to ``join_timeout_s`` for
-joiners, then raises RuntimeError, after writing ``checkpoint`` (if given) with
-``vflow.runtime.save_local``.
+Fewer than ``min_workers`` after a failure: the members wait up to ``join_timeout_s``
+for a worker to knock, then raise RuntimeError, after writing ``checkpoint`` (if
+given) with ``vflow.runtime.save_local``.
+
+Note [Joining a running job]
+A rendezvous round costs a grow the last call and the handler's polling (it syncs once a
+second, hard-wired in torch's DynamicRendezvousHandler: 1.1-1.9 s measured here), and
+every member must take part. Once a job has started (a store key says so), a newcomer
+does not use the rendezvous; it knocks:
+
+1. it takes a ticket, ``add("knocks", 1)`` under ``vflow/<job>``, and waits for the
+   key ``admit/<ticket>`` (or for the rendezvous to close: the job finished);
+2. the members' pollers count the knocks not answered yet with the rendezvous' wait
+   list, and a member that sees any sets WAITING in its next step's signal word, so
+   that all of them act after the same step, when their set has room (``max_workers``,
+   V);
+3. the members agree on whom to let in by compare-and-set on ``admit<G>`` in the
+   round's store (the first member's view wins), write every ticket's answer (the
+   round, the new set's ranks, its number G + 1) and raise the answered counter;
+4. newcomers and members form the new set as in ROUND (newcomers take the negative
+   of their ticket as their rank in the round: the round's own ranks are >= 0), with
+   refusals and failures handled the same way.
+
+A member stalls for one agreement, a group's creation and the state's broadcast
+(0.04 s in tests/elastic/test_job.py's grows). A worker let in this way is not a
+participant of the rendezvous' round: its heartbeats say nothing of it (its beats
+do), and in a fallback round it joins from the wait list. A worker that knocked and
+died before its answer costs the members the group's creation timeout (``timeout_s``).
 
 Note [The store during a round]
 Training needs no store: the step's collectives run over the group's own connections,
@@ -215,6 +244,11 @@ class _Workers:
 
     def successor(self, ranks: list[int]) -> _Workers:
         return _Workers(self.round, list(ranks), self.generation + 1)
+
+
+class _LeftOut(Exception):
+    """The survivors of a failure agreed on a worker set without this worker (it
+    answered too late): it asks to join again (Note [Joining a running job])."""
 
 
 class JoinRefused(RuntimeError):
@@ -410,15 +444,38 @@ class ElasticJob:
         member = False  # whether ex has trained in this job (Note [Joining ahead])
         outcome = _Outcome("start", time.monotonic())
         failures = 0
+        need_round = False  # a new round, even if the job runs (a fallback)
         while True:
             if not member and self._leave.is_set():
                 _log.info("vflow elastic: asked to leave job %r before joining it", self.job_id)
                 rdzv.close()
                 return None
-            try:
-                rnd = rdzv.next_round()
-            except (RendezvousClosedError, RendezvousGracefulExitError):
-                # Graceful exit: the job closed while this worker was on the wait list.
+            if need_round or not self._started():
+                try:
+                    joined = self._round(rdzv, ex, member)
+                except (CollectiveError, _RoundRefused) as e:
+                    failures += 1
+                    if failures > self.max_recoveries:
+                        raise RuntimeError(
+                            f"job {self.job_id!r}: {failures} rounds in a row failed to form a "
+                            f"worker set; the last error: {e}"
+                        ) from e
+                    if isinstance(e, _RoundRefused):
+                        _log.log(e.level, "vflow elastic: %s; forming the next round", e)
+                    else:
+                        who, why = self._lost_words(e)
+                        _log.warning(
+                            "vflow elastic: %s while a round formed%s; re-forming the worker set",
+                            who,
+                            why,
+                        )
+                        _log.debug("vflow elastic: forming a round: %s", e)
+                    outcome = dataclasses.replace(outcome, reason="crash")
+                    need_round = True
+                    continue
+            else:
+                joined = self._knock(rdzv, ex, member)
+            if joined is None:
                 if not member:
                     _log.info(
                         "vflow elastic: job %r finished before this worker joined", self.job_id
@@ -426,37 +483,12 @@ class ElasticJob:
                     rdzv.close()
                     return None
                 raise RuntimeError(
-                    f"the rendezvous of job {self.job_id!r} was closed while this worker still "
-                    f"had steps to run (step {ex.step_count} of {steps})"
-                ) from None
-            except RendezvousTimeoutError as e:
-                self._give_up(ex if member else None, e)
-            except (RendezvousConnectionError, RendezvousStateError, dist.DistError) as e:
-                self._store_lost(ex if member else None, e, "joining the next round")
-            try:
-                workers, members = self._form(rdzv, rnd, ex, member)
-            except (CollectiveError, _RoundRefused) as e:
-                failures += 1
-                if failures > self.max_recoveries:
-                    raise RuntimeError(
-                        f"job {self.job_id!r}: {failures} rounds in a row failed to form a worker "
-                        f"set; the last error: {e}"
-                    ) from e
-                if isinstance(e, _RoundRefused):
-                    _log.log(e.level, "vflow elastic: %s; forming the next round", e)
-                else:
-                    who, why = self._lost_words(e)
-                    _log.warning(
-                        "vflow elastic: %s while round %d formed%s; re-forming the worker set",
-                        who,
-                        rnd.number,
-                        why,
-                    )
-                    _log.debug("vflow elastic: round %d: %s", rnd.number, e)
-                outcome = dataclasses.replace(outcome, reason="crash")
-                continue
-            member = True
-            failures = 0
+                    f"job {self.job_id!r} finished while this worker still had steps to run "
+                    f"(step {ex.step_count} of {steps})"
+                )
+            workers, members = joined
+            member, failures, need_round = True, 0, False
+            rnd = workers.round
             if outcome.reason == "crash" and outcome.workers:
                 self._say_recovered(outcome, ex, members)
             if outcome.reason == "grow" and ex.world_size == outcome.workers:
@@ -470,19 +502,46 @@ class ElasticJob:
                 self._record(outcome, ex, rnd.number)
             while True:
                 outcome, workers = self._train(rdzv, workers, ex, train_step, steps)
+                if outcome.reason in ("grow", "few"):
+                    grown = self._admit(rdzv, workers, ex, wait=outcome.reason == "few")
+                    if grown is None:
+                        need_round = True  # only the rendezvous' wait list: a new round
+                        break
+                    if len(grown.ranks) > len(workers.ranks):
+                        self._record(dataclasses.replace(outcome, reason="grow"), ex, rnd.number)
+                    elif grown is not workers:
+                        _log.info(
+                            "vflow elastic: nobody joined; going on at step %d with the same "
+                            "%d worker(s)",
+                            ex.step_count,
+                            ex.world_size,
+                        )
+                    workers = grown
+                    continue
                 if outcome.reason != "crash" or outcome.evicted:
                     break
-                recovered = self._recover(rdzv, workers, ex, newcomers=())
-                if recovered is None:
-                    # Not in the survivors' set: the next round, as a member behind.
+                try:
+                    recovered = self._recover(rdzv, workers, ex, newcomers=())
+                except _LeftOut:
+                    _log.warning(
+                        "vflow elastic: the others went on without this worker (it answered "
+                        "after they had agreed on who is left); joining the job again"
+                    )
                     outcome = dataclasses.replace(outcome, left_out=True)
+                    break
+                if recovered is None:
+                    need_round = True  # out of attempts: all of them form a new round
                     break
                 workers = recovered
                 self._say_recovered(outcome, ex, ex.world_size)
                 self._record(outcome, ex, rnd.number)
                 if ex.world_size < self.min_workers:
-                    outcome = _Outcome("few", time.monotonic(), ex.world_size)
-                    break
+                    grown = self._admit(rdzv, workers, ex, wait=True)
+                    if grown is None:
+                        need_round = True
+                        break
+                    workers = grown
+                    self._record(_Outcome("grow", time.monotonic()), ex, rnd.number)
             if outcome.reason == "done":
                 self._record(outcome, ex, rnd.number)
                 rdzv.finish()
@@ -491,6 +550,88 @@ class ElasticJob:
                 rdzv.leave()
                 _log.info("vflow elastic: left job %r at step %d", self.job_id, ex.step_count)
                 return ex
+
+    def _round(self, rdzv: Rendezvous, ex: Executor, member: bool) -> tuple[_Workers, int] | None:
+        """A new rendezvous round and the worker set it forms (the job's start, or a
+        fallback: Note [Elastic state machine]); None when the job finished first.
+        Raises CollectiveError or _RoundRefused when the set failed to form."""
+        try:
+            rnd = rdzv.next_round()
+        except (RendezvousClosedError, RendezvousGracefulExitError):
+            return None
+        except RendezvousTimeoutError as e:
+            self._give_up(ex if member else None, e)
+        except (RendezvousConnectionError, RendezvousStateError, dist.DistError) as e:
+            self._store_lost(ex if member else None, e, "joining the next round")
+        return self._form(rdzv, rnd, ex, member)
+
+    def _knock(self, rdzv: Rendezvous, ex: Executor, member: bool) -> tuple[_Workers, int] | None:
+        """Note [Joining a running job]: asks the running worker set to take this worker
+        in; returns the set it joined and how many members it had, or None when the job
+        finished first."""
+        try:
+            answer = rdzv.knock(self.join_timeout_s)
+        except RendezvousTimeoutError:
+            raise JoinRefused(
+                f"job {self.job_id!r} did not take this worker in within join_timeout_s="
+                f"{self.join_timeout_s:g} s (its worker set is full: max_workers="
+                f"{self.max_workers}, at most V workers; or it is not training)"
+            ) from None
+        except (RendezvousConnectionError, RendezvousStateError, dist.DistError) as e:
+            self._store_lost(ex if member else None, e, "asking to join the running job")
+        if answer is None:
+            return None
+        rnd = rdzv.adopt(int(answer["round"]), int(answer["rank"]))
+        workers = _Workers(rnd, list(answer["ranks"]), int(answer["generation"]))
+        newcomers = tuple(answer["newcomers"])
+        try:
+            workers = self._join_set(rdzv, workers, ex, member, newcomers)
+        except _RoundRefused as e:
+            raise JoinRefused(f"job {self.job_id!r}: {e}") from None
+        return workers, len(workers.ranks) - len(newcomers)
+
+    def _admit(
+        self, rdzv: Rendezvous, workers: _Workers, ex: Executor, wait: bool
+    ) -> _Workers | None:
+        """Note [Joining a running job], the members' side: lets the workers that
+        knocked into the worker set; returns the set (``workers`` itself when nobody
+        knocked after all), or None when workers wait on the rendezvous' wait list
+        instead (they need a new round). With ``wait`` (too few workers), it waits for
+        one up to ``join_timeout_s``."""
+        rnd = workers.round
+        room = min(self.max_workers, ex.virtual_nodes) - len(workers.ranks)
+        deadline = time.monotonic() + self.join_timeout_s
+        try:
+            tickets = rdzv.pending(room)
+            while wait and not tickets:
+                if time.monotonic() > deadline:
+                    self._give_up(ex, TimeoutError("no worker asked to join"))
+                time.sleep(_RECOVERY_POLL_S)
+                tickets = rdzv.pending(room)
+            # One decision for all members, whatever each one saw: who comes in, or
+            # whether only the rendezvous' wait list has workers (they need a round).
+            proposal = {"tickets": tickets, "round": not tickets and rdzv.wait_list() > 0}
+            decision = json.loads(
+                rnd.store.compare_set(f"vflow/admit{workers.generation}", "", json.dumps(proposal))
+            )
+            decided = [int(t) for t in decision["tickets"]]
+            if not decided:
+                return None if decision["round"] else workers
+            newcomers = [-t for t in decided]  # a ticket's worker, among round ranks >= 0
+            grown = workers.successor(workers.ranks + newcomers)
+            answer = {"round": rnd.number, "ranks": grown.ranks, "generation": grown.generation}
+            rdzv.answer(
+                decided,
+                [dict(answer, rank=-t, newcomers=newcomers) for t in decided],
+            )
+        except dist.DistError as e:
+            self._store_lost(ex, e, "letting a new worker in")
+        _log.info(
+            "vflow elastic: %d worker(s) asked to join; taking them in at step %d",
+            len(decided),
+            ex.step_count,
+        )
+        return self._join_set(rdzv, grown, ex, True, tuple(newcomers))
 
     def _build(self, make_executor: MakeExecutor) -> Executor:
         """Note [Joining ahead]: the executor, built before this worker asks to join."""
@@ -513,12 +654,11 @@ class ElasticJob:
         workers = _Workers(rnd, list(range(rnd.world_size)))
         group = self._group(rnd, workers.name, None)
         world = World(group, timedelta(seconds=self.timeout_s))
-        started_key = f"vflow/{self.job_id}/started"
         mine = [int(member), ex.virtual_nodes]
         rows = world.gather_ints(mine, "checking the round's members", None)
         del world
         members = [rank for rank, (is_member, _) in enumerate(rows) if is_member]
-        if not members and self._job_store().check([started_key]):
+        if not members and self._started():
             # The job's members are still on their way to this round (or gone): never
             # start a running job over (Note [Elastic state machine]).
             raise _RoundRefused(
@@ -544,6 +684,27 @@ class ElasticJob:
                 logging.WARNING,
             )
         newcomers = tuple(r for r in workers.ranks if r not in members)
+        workers = self._join_set(rdzv, workers, ex, member, newcomers, group)
+        self._job_store().set(self._started_key, b"1")
+        return workers, len(members)
+
+    def _join_set(
+        self,
+        rdzv: Rendezvous,
+        workers: _Workers,
+        ex: Executor,
+        member: bool,
+        newcomers: tuple[int, ...],
+        group: dist.ProcessGroup | None = None,
+    ) -> _Workers:
+        """Moves ``ex`` onto ``workers`` (every one of them calls this; ``group``: theirs
+        if already built); returns the set it ended on. Newcomers that the members refuse
+        (Note [Refusing newcomers], vflow/world/membership.py) or that fail while the set
+        forms are left out, and the members go on without them; a refused newcomer
+        raises JoinRefused."""
+        rnd = workers.round
+        if group is None:
+            group = self._group(rnd, workers.name, workers.ranks)
         while True:
             failed = False
             try:
@@ -553,13 +714,12 @@ class ElasticJob:
                 refused = [workers.ranks[r] for r in e.ranks]
                 if rnd.rank in refused:
                     raise JoinRefused(f"job {self.job_id!r}: {e}") from None
-                _log.warning("vflow elastic: round %d: %s; going on without them", rnd.number, e)
+                _log.warning("vflow elastic: %s; going on without them", e)
                 workers = workers.without(refused)
             except CollectiveError as e:
                 _log.warning(
-                    "vflow elastic: a worker failed while round %d formed; the others re-form "
-                    "the worker set without it",
-                    rnd.number,
+                    "vflow elastic: a worker failed while the worker set formed; the others "
+                    "re-form it without that worker"
                 )
                 _log.debug("vflow elastic: round %d: %s", rnd.number, e)
                 failed = True
@@ -567,30 +727,33 @@ class ElasticJob:
             self._discard(group)
             del group
             if failed:
-                recovered = self._recover(rdzv, workers, ex, newcomers)
+                try:
+                    recovered = self._recover(rdzv, workers, ex, newcomers)
+                except _LeftOut:
+                    recovered = None
                 if recovered is not None:
                     workers = recovered
                     break
-                if not member:
+                if rnd.rank in newcomers:
                     raise JoinRefused(
-                        f"job {self.job_id!r}: this worker did not join the worker set of round "
-                        f"{rnd.number} within the join deadline (timeout_s={self.timeout_s:g} "
-                        "s); the members went on without it"
+                        f"job {self.job_id!r}: this worker did not join the worker set within "
+                        f"the join deadline (timeout_s={self.timeout_s:g} s); the members went "
+                        "on without it"
                     )
                 raise _RoundRefused(
-                    f"round {rnd.number} of job {self.job_id!r} re-formed without this worker",
+                    f"the worker set of job {self.job_id!r} re-formed without this worker",
                     logging.WARNING,
                 )
             group = self._group(rnd, workers.name, workers.ranks)
-        self._job_store().set(started_key, b"1")
-        return workers, len(members)
+        return workers
 
     def _recover(
         self, rdzv: Rendezvous, workers: _Workers, ex: Executor, newcomers: tuple[int, ...]
     ) -> _Workers | None:
         """Note [Recovering within the round]: the survivors of a failed collective form
-        their worker set again in the same round; returns it, or None when this worker
-        is not in it (it joins the next round)."""
+        their worker set again in the same round; returns it, or None when they could
+        not within ``max_recoveries`` attempts (then a new round). Raises _LeftOut when
+        the others went on without this worker."""
         self._nccl_group = None
         ex.abort_group()
         try:
@@ -609,11 +772,7 @@ class ElasticJob:
             survivors = self._survivors(rdzv, workers, prefix, newcomers)
             decided = json.loads(store.compare_set(f"{prefix}/decision", "", json.dumps(survivors)))
             if rnd.rank not in decided:
-                _log.warning(
-                    "vflow elastic: the others went on without this worker (it answered "
-                    "after they had agreed on who is left); joining the job again"
-                )
-                return None
+                raise _LeftOut
             workers = workers.successor(decided)
             group = None
             try:
@@ -685,6 +844,17 @@ class ElasticJob:
                 f"creating the process group of round {rnd.number} ({name}) {outcome}: {e}"
             ) from e
 
+    @property
+    def _started_key(self) -> str:
+        return f"vflow/{self.job_id}/started"
+
+    def _started(self) -> bool:
+        """Whether a worker set of this job has formed (then newcomers knock)."""
+        try:
+            return bool(self._job_store().check([self._started_key]))
+        except dist.DistError:
+            return False  # the store lost: next_round says so
+
     def _job_store(self) -> dist.Store:
         if self._rendezvous is None:
             raise RuntimeError("ElasticJob is not running")
@@ -709,7 +879,11 @@ class ElasticJob:
                     rnd.number,
                 )
                 return _Outcome("crash", time.monotonic(), ex.world_size, evicted=True), workers
-            word = (WAITING if rdzv.waiting() else 0) | (LEAVE if self._leave.is_set() else 0)
+            # A full worker set does not look at who waits (they wait for a place).
+            room = len(workers.ranks) < min(self.max_workers, ex.virtual_nodes)
+            word = (WAITING if room and rdzv.waiting() else 0) | (
+                LEAVE if self._leave.is_set() else 0
+            )
             ex.signal(word)
             step = ex.step_count
             try:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import signal
 import socket
@@ -61,6 +62,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -105,6 +107,9 @@ __all__ = [
 # step's compute releases, so GONE_AFTER_S is several polls.
 _POLL_S = 0.1
 GONE_AFTER_S = 0.6
+_KNOCKS, _ANSWERED = "knocks", "answered"  # counters of tickets
+_KNOCK_POLL_S = 0.02  # a knocking worker looks for its answer this often
+_CLOSED_POLL_S = 0.5  # and whether the job has finished, this often
 
 
 def parse_endpoint(endpoint: object, name: str = "rendezvous") -> tuple[str, int]:
@@ -291,6 +296,9 @@ class Rendezvous:
             keep_alive_max_attempt=keep_alive_attempts,
         )
         self._lock = threading.Lock()  # the poller and next_round never overlap
+        # Job-wide keys of vflow's own (Note [Joining a running job], vflow/elastic/job.py).
+        self._job = dist.PrefixStore(f"vflow/{job_id}", self._round_connection)
+        self._adopted = False
         self._waiting = 0
         self._evicted = False
         self._in_round = False
@@ -314,10 +322,70 @@ class Rendezvous:
             self._handler._keep_alive()
             self._waiting = 0
             self._evicted = False
-            store = dist.PrefixStore(f"vflow/{self.job_id}/round{number}", self._round_connection)
-            self._round = Round(number, info.rank, info.world_size, store)
+            self._adopted = False
+            self._round = Round(number, info.rank, info.world_size, self._round_store(number))
             self._in_round = True
         return self._round
+
+    def knock(self, timeout_s: float) -> dict[str, Any] | None:
+        """Asks the running job's worker set to take this worker in, without a round
+        (Note [Joining a running job], vflow/elastic/job.py); returns the members'
+        answer, or None when the job finished first. Raises RendezvousTimeoutError
+        after ``timeout_s``."""
+        ticket = int(self._job.add(_KNOCKS, 1))
+        answer_key = f"admit/{ticket}"
+        deadline = time.monotonic() + timeout_s
+        next_look = 0.0
+        while not self._job.check([answer_key]):
+            now = time.monotonic()
+            if now >= next_look:
+                with self._lock:
+                    if self._handler.is_closed():
+                        return None
+                next_look = now + _CLOSED_POLL_S
+            if now > deadline:
+                raise RendezvousTimeoutError(
+                    f"no answer to this worker's request to join within {timeout_s:g} s"
+                )
+            time.sleep(_KNOCK_POLL_S)
+        return dict(json.loads(self._job.get(answer_key)), ticket=ticket)
+
+    def pending(self, room: int) -> list[int]:
+        """The tickets of workers that knocked and were not answered yet, oldest first,
+        at most ``room``."""
+        knocks = int(self._job.add(_KNOCKS, 0))
+        answered = int(self._job.add(_ANSWERED, 0))
+        return list(range(answered + 1, min(knocks, answered + max(room, 0)) + 1))
+
+    def wait_list(self) -> int:
+        """Workers on the rendezvous' wait list now (a store round trip)."""
+        with self._lock:
+            return int(self._handler.num_nodes_waiting())
+
+    def answer(self, tickets: list[int], answers: list[dict[str, Any]]) -> None:
+        """Writes the members' answer to each ticket (every member writes the same)."""
+        self._waiting = 0  # they are answered: not waiting any more
+        for ticket, answer in zip(tickets, answers, strict=True):
+            self._job.set(f"admit/{ticket}", json.dumps(answer))
+        top = max(tickets)
+        # Raised to ``top`` with compare-and-set: the members write at the same time.
+        answered = int(self._job.add(_ANSWERED, 0))
+        while answered < top:
+            answered = int(self._job.compare_set(_ANSWERED, str(answered), str(top)))
+
+    def adopt(self, number: int, rank: int) -> Round:
+        """The round a worker let in by the members now belongs to (it is not a
+        participant of the rendezvous' round: the heartbeats' view of it is not its)."""
+        with self._lock:
+            self._waiting = 0
+            self._evicted = False
+            self._adopted = True
+            self._round = Round(number, rank, 0, self._round_store(number))
+            self._in_round = True
+        return self._round
+
+    def _round_store(self, number: int) -> dist.Store:
+        return dist.PrefixStore(f"vflow/{self.job_id}/round{number}", self._round_connection)
 
     @property
     def store(self) -> dist.Store:
@@ -379,9 +447,13 @@ class Rendezvous:
                     continue
                 try:
                     self._store.add(self._beat_key(self._round, self._round.rank), 1)
-                    self._waiting = self._handler.num_nodes_waiting()  # syncs the state
+                    knocks = int(self._job.add(_KNOCKS, 0)) - int(self._job.add(_ANSWERED, 0))
+                    # num_nodes_waiting syncs the handler's state.
+                    self._waiting = self._handler.num_nodes_waiting() + knocks
                     state = self._handler._state_holder.state
-                    self._evicted = self._handler._this_node not in state.participants
+                    self._evicted = (
+                        not self._adopted and self._handler._this_node not in state.participants
+                    )
                 except Exception:
                     # A store that went away shows in the next round; the step's own
                     # collectives are not affected by it.
