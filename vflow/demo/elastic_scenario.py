@@ -73,14 +73,13 @@ MIN_STEPS = 12
 HOLD_S = 30.0  # the longest hold before a step (see the module docstring)
 # The activation the kill hook sits on: the output of the second convolution's ReLU.
 _HOOKED_LAYER = 3
-# ElasticJob(timeout_s=): a few times the slowest step. Also how long a survivor may
-# wait in a collective of a crashed worker set that the others have left.
+# ElasticJob(timeout_s=): a few times the slowest step; how long a hung worker stalls
+# the others.
 _COLLECTIVE_TIMEOUT_S = 5.0
-# A round completes at the first poll of one of its participants after the last call,
-# and workers on the wait list poll once a second (torch's DynamicRendezvousHandler).
-# With a last call under a second, a member of the job can miss the round that the
-# others form with a joiner, and needs another round to rejoin; 1.5 s leaves every
-# waiting worker one poll inside the last call.
+# The job's first round: workers started together within the last call start it
+# together. It completes at the first poll of one of its participants after the last
+# call, and they poll once a second (torch's DynamicRendezvousHandler); 1.5 s leaves
+# every waiting worker one poll inside it.
 _LAST_CALL_S = 1.5
 _PHASE_TIMEOUT_S = 120.0
 _POLL_S = 0.05
