@@ -1,41 +1,41 @@
-"""One worker process of benchmarks/elastic.py: the benchmark MLP (distributed.py's)
-trained by ``vflow.elastic.ElasticJob`` on a fixed synthetic dataset, writing one JSON
-line per committed step with its wall-clock time, so that the benchmark can time events
-from outside.
+"""One worker process of benchmarks/elastic.py's vflow side: the benchmark MLP
+(distributed.py's) trained by ``vflow.elastic.ElasticJob`` on a fixed synthetic
+dataset, writing one JSON line per committed step with its wall-clock time, so that the
+benchmark can time events from outside with the same reader as its torchrun side
+(benchmarks/_torchrun_baseline.py).
 
-    python benchmarks/_elastic_worker.py --rdzv HOST:PORT --job ID --log FILE
+    python benchmarks/_elastic_worker.py --rdzv HOST:PORT --job ID --log-path DIR/NODE
         --hidden H --layers L --batch-size B --virtual-nodes V
         --min-workers N --max-workers N --timeout S --last-call S
-        --keep-alive S --keep-alive-attempts N [--checkpoint FILE --checkpoint-every K]
+        --keep-alive S --keep-alive-attempts N [--steps N]
 
-Two roles:
+The benchmark starts one such process per node (a joiner is one more process) and
+sends it signals: SIGTERM (ElasticJob's own handler: leave after the current step),
+SIGSTOP, and SIGUSR1, which arms a crash: the next step that starts kills this process
+with SIGKILL in the backward of its middle VN (of its last, with one VN), after writing
+``{"kill": t, "step": s}``.
 
-* elastic (no ``--checkpoint``): a worker of a long-lived elastic job; the benchmark
-  starts joiners and sends SIGTERM to make one leave (ElasticJob's own handler).
-* restart (``--checkpoint``): a freshly started worker of the torchrun way: its job
-  id is new, ``--min-workers`` = ``--max-workers`` = the worker count, it loads
-  ``--checkpoint`` (if present) with ``vflow.load`` right after building its executor
-  and writes it with ``vflow.save`` whenever the step count is a multiple of
-  ``--checkpoint-every``. The benchmark stops such workers with SIGKILL.
+Log files (``t``: ``time.time()`` when written), one per worker set this process trains
+in, so that a file holds one process's part of one worker set, as a torchrun worker's
+file holds one process of one worker group:
 
-In both roles SIGUSR1 arms a crash: the next step that starts kills this process with
-SIGKILL in the backward of its middle VN (of its last, with one VN), after writing
-``{"kill": time}`` to the log.
-
-Log lines (``t``: ``time.time()`` when written):
-``{"ready": t}`` once torch and vflow are imported;
-``{"joined": t, "workers": n}`` when this worker is first in a round (its group formed);
-``{"built": t}`` once its model, optimizer and Executor are built (the first
-optimizer a process builds imports torch._dynamo: about a second);
-``{"loaded": t, "step": s}`` after ``vflow.load`` (restart role);
-``{"begin": t}`` when this process's first step starts (its worker set formed, its
-state received or loaded);
-``{"failed": t, "step": s}`` when a step raises CollectiveError (a peer died);
-``{"t": t, "step": s, "rank": r, "workers": n, "signals": [...]}`` per committed step
-(global batch ``s``; the signal words of every rank for that step);
-``{"saved": t, "step_count": c, "seconds": d}`` after each checkpoint;
-``{"kill": t, "step": s}`` right before the SIGKILL;
-``{"events": [...], "end": t}`` when ``ElasticJob.run`` returns.
+* ``DIR/NODE.p.jsonl``, the process: ``{"exec": t, "pid": p, "rank": -1, ...}`` first,
+  before torch is imported; ``{"ready": t}`` once torch and vflow are imported;
+  ``{"built": t}`` when ``make_executor`` returns: ElasticJob builds the executor once,
+  on a group of this worker alone, before the worker asks to join (Note [Joining
+  ahead], vflow/elastic/job.py; the first optimizer a process builds imports
+  torch._dynamo, about a second); ``{"events": [...], "end": t}`` when
+  ``ElasticJob.run`` returns.
+* ``DIR/NODE.s<k>.jsonl``, its k-th worker set (a new one at every change of
+  ``ex.process_group``, whose name says the round and the set: "round 3/set1"), opened
+  when the first step in that set starts: ``{"exec": t, "pid": p, "rank": r, "restart":
+  0, "workers": n, "master": "round 3/set1"}`` and ``{"begin": t, "step": s, "workers":
+  n}`` (the same t: the set formed, its state received or caught up, and this step,
+  global batch s, begins; in the first set this worker trains in, that is when it
+  joined); then per committed step ``{"t": t, "step": s, "rank": r, "workers": n,
+  "signals": [...]}`` (the signal words of every rank for that step);
+  ``{"failed": t, "step": s}`` when a step raises CollectiveError (a peer died, hung
+  or left the group), and ``{"kill": t, "step": s}`` right before an armed SIGKILL.
 """
 
 from __future__ import annotations
@@ -48,69 +48,28 @@ import sys
 import time
 from typing import IO, Any
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-import vflow
-from vflow import elastic
-from vflow.world.group import use_loopback_for_gloo
-
 CLASSES = 10
 SEED = 0
 BATCHES_PER_EPOCH = 8
 
 
-def mlp(hidden: int, layers: int) -> nn.Module:
-    """distributed.py's benchmark MLP: ``layers`` x (Linear(hidden, hidden) + ReLU) and
-    a 10-way head."""
-    blocks: list[nn.Module] = []
-    for _ in range(layers):
-        blocks += [nn.Linear(hidden, hidden), nn.ReLU()]
-    return nn.Sequential(*blocks, nn.Linear(hidden, CLASSES))
-
-
 class Log:
+    """The current log file; ``switch`` moves on to another one."""
+
     def __init__(self, path: str) -> None:
         self._file: IO[str] = open(path, "w", buffering=1, encoding="utf-8")
 
     def write(self, **fields: Any) -> None:
         self._file.write(json.dumps(fields) + "\n")
 
-
-class Crash:
-    """SIGUSR1 arms it; the next step to start dies in the backward of its middle VN."""
-
-    def __init__(self, log: Log) -> None:
-        self.log = log
-        self.armed = False
-        self.step: int | None = None  # the global batch to die in, once armed
-        self.current = -1
-        self.vn = 0
-        self.vns_here = 1
-
-    def arm(self, *_: Any) -> None:
-        self.armed = True
-
-    def start_step(self, step: int, vns_here: int) -> None:
-        self.current, self.vn, self.vns_here = step, 0, vns_here
-        if self.armed and self.step is None:
-            self.step = step
-
-    def hook(self, out: torch.Tensor) -> None:
-        position = self.vn
-        self.vn += 1
-        if self.step == self.current and position == self.vns_here // 2:
-            out.register_hook(self._die)
-
-    def _die(self, grad: torch.Tensor) -> torch.Tensor:
-        self.log.write(kill=time.time(), step=self.current)
-        os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(30)  # SIGKILL is asynchronous: never return into backward
-        return grad
+    def switch(self, path: str, mode: str = "w") -> None:
+        self._file.close()
+        self._file = open(path, mode, buffering=1, encoding="utf-8")
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
+    from vflow import elastic
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     elastic.add_job_arguments(
         parser,
@@ -122,7 +81,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "keep_alive_attempts",
         join_timeout_s=120.0,
     )
-    parser.add_argument("--log", required=True)
+    parser.add_argument("--log-path", required=True, help="DIR/NODE: the files' prefix")
     parser.add_argument("--hidden", type=int, required=True)
     parser.add_argument("--layers", type=int, required=True)
     parser.add_argument("--batch-size", type=int, required=True)
@@ -130,19 +89,63 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--steps", type=int, default=10**9)
-    # The restart role's vflow.save file, not ElasticJob's checkpoint (no flag here).
-    parser.add_argument("--checkpoint")
-    parser.add_argument("--checkpoint-every", type=int, default=10)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
+    prefix = argv[argv.index("--log-path") + 1] if "--log-path" in argv else None
+    log = None
+    if prefix is not None:
+        # Before the imports: the benchmark splits a start into process start, imports
+        # and set-up, and it needs this process's pid to signal it.
+        log = Log(f"{prefix}.p.jsonl")
+        log.write(exec=time.time(), pid=os.getpid(), rank=-1, restart=0, workers=0, master="")
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import vflow
+    from vflow import elastic
+    from vflow.world.group import use_loopback_for_gloo
+
     args = parse(argv)
-    log = Log(args.log)
+    assert log is not None  # --log-path is required
     log.write(ready=time.time())
     use_loopback_for_gloo()
     torch.set_num_threads(args.threads)
-    crash = Crash(log)
+
+    class Crash:
+        """SIGUSR1 arms it; the next step to start dies in the backward of its middle VN."""
+
+        def __init__(self) -> None:
+            self.armed = False
+            self.step: int | None = None  # the global batch to die in, once armed
+            self.current = -1
+            self.vn = 0
+            self.vns_here = 1
+
+        def arm(self, *_: Any) -> None:
+            self.armed = True
+
+        def start_step(self, step: int, vns_here: int) -> None:
+            self.current, self.vn, self.vns_here = step, 0, vns_here
+            if self.armed and self.step is None:
+                self.step = step
+
+        def hook(self, out: torch.Tensor) -> None:
+            position = self.vn
+            self.vn += 1
+            if self.step == self.current and position == self.vns_here // 2:
+                out.register_hook(self._die)
+
+        def _die(self, grad: torch.Tensor) -> torch.Tensor:
+            log.write(kill=time.time(), step=self.current)
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(30)  # SIGKILL is asynchronous: never return into backward
+            return grad
+
+    crash = Crash()
     signal.signal(signal.SIGUSR1, crash.arm)
     samples = args.batch_size * BATCHES_PER_EPOCH
     gen = torch.Generator().manual_seed(1234)
@@ -150,15 +153,24 @@ def main(argv: list[str]) -> int:
     y = torch.randint(0, CLASSES, (samples,), generator=gen)
     sampler = vflow.VNBatchSampler(samples, args.batch_size, seed=SEED)  # bound in train_step
 
+    def mlp() -> nn.Module:
+        """distributed.py's benchmark MLP: ``layers`` x (Linear(hidden, hidden) + ReLU)
+        and a 10-way head."""
+        blocks: list[nn.Module] = []
+        for _ in range(args.layers):
+            blocks += [nn.Linear(args.hidden, args.hidden), nn.ReLU()]
+        return nn.Sequential(*blocks, nn.Linear(args.hidden, CLASSES))
+
     def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         out = model(batch[0])
         crash.hook(out)
         return F.cross_entropy(out, batch[1])
 
     def make_executor(group: Any, timeout: float) -> vflow.Executor:
-        log.write(joined=time.time(), workers=group.size())
+        # ElasticJob calls this once, before this worker asks to join, with a group of
+        # this worker alone: it says nothing about the job's worker sets.
         torch.manual_seed(SEED)
-        model = mlp(args.hidden, args.layers)
+        model = mlp()
         ex = vflow.Executor(
             model,
             torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
@@ -170,17 +182,22 @@ def main(argv: list[str]) -> int:
             deterministic=args.deterministic,
         )
         log.write(built=time.time())
-        if args.checkpoint and os.path.exists(args.checkpoint):
-            vflow.load(args.checkpoint, ex)
-            log.write(loaded=time.time(), step=ex.step_count)
         return ex
 
-    begun = {"yes": False}
+    sets = {"name": None, "count": 0}
 
     def train_step(ex: vflow.Executor, step: int) -> vflow.StepResult:
-        if not begun["yes"]:
-            begun["yes"] = True
-            log.write(begin=time.time())
+        group = ex.process_group
+        name = group.group_name if group is not None else ""
+        if name != sets["name"]:
+            # A new worker set: a new file, as a new worker group is for torchrun.
+            sets["name"] = name
+            log.switch(f"{args.log_path}.s{sets['count']}.jsonl")
+            sets["count"] += 1
+            now = time.time()
+            pid, rank, n = os.getpid(), ex.rank, ex.world_size
+            log.write(exec=now, pid=pid, rank=rank, restart=0, workers=n, master=name)
+            log.write(begin=now, step=step, workers=n)
         crash.start_step(step, ex.plan.counts[ex.rank])
         sampler.bind(ex)  # follows the step's executor, plan and rank
         indices, size = sampler.step_indices(step)
@@ -196,14 +213,11 @@ def main(argv: list[str]) -> int:
             workers=ex.world_size,
             signals=[int(w) for w in result.signals],
         )
-        if args.checkpoint and ex.step_count % args.checkpoint_every == 0:
-            start = time.time()
-            vflow.save(args.checkpoint, ex)
-            log.write(saved=time.time(), step_count=ex.step_count, seconds=time.time() - start)
         return result
 
     job = elastic.job_from_args(args)
     job.run(make_executor, train_step, args.steps)
+    log.switch(f"{args.log_path}.p.jsonl", "a")
     log.write(events=[e.__dict__ for e in job.events], end=time.time())
     return 0
 

@@ -69,6 +69,9 @@ def test_events_fire_half_a_checkpoint_period_after_a_checkpoint(tmp_path: Path)
     assert chain.due_step(trb.Event("crash", 0), 150) == 165  # >= 160, at 5 mod 10
     assert chain.due_step(trb.Event("crash", 0), 146) == 165
     assert chain.due_step(trb.Event("crash", 0), 145) == 155
+    # Not before the group is back where the previous one got (it recomputes first).
+    assert chain.due_step(trb.Event("crash", 0), 140, high=158) == 165
+    assert chain.due_step(trb.Event("crash", 0), 140, high=166) == 175
     open_ended = trb._Chain([], trb.Settings(), tmp_path)
     assert open_ended.due_step(trb.Event("crash", 7), 0) == 7  # no phase, no settle
 
@@ -161,6 +164,40 @@ def test_a_step_committed_by_part_of_a_worker_set_is_partial_and_missing(tmp_pat
         log_dir=None,
     )
     assert r.partial_steps == [10] and r.missing_steps == [10]
+
+
+def test_a_restart_recomputes_and_its_overhead_runs_to_the_last_groups_end(
+    tmp_path: Path,
+) -> None:
+    # torchrun's way: a alone commits steps 0..12 (1 s each), dies at 13.5; the
+    # restarted process loads the checkpoint of step 10 and commits 10..12 again.
+    _, lines = _set("a", 0, "127.0.0.1:1", 0, 1, 0.0, range(13), 1.0)
+    _write(tmp_path / "a.r0.p1.jsonl", lines)
+    _, lines = _set("a", 1, "127.0.0.1:2", 0, 1, 15.0, range(10, 13), 1.0)
+    lines.insert(1, {"loaded": 15.0, "step": 10})
+    _write(tmp_path / "a.r1.p2.jsonl", lines)
+    logs = trb._Logs(tmp_path)
+    logs.poll()
+    r = trb.analyse(
+        profile="tuned",
+        settings={},
+        groups=logs.groups(),
+        procs=list(logs.procs.values()),
+        fired=[trb._Fired(trb.Event("crash", 5), "a", 13.5, 1, 1)],
+        start_size=1,
+        end_step=12,
+        first_start_t=None,
+        wall_s=20.0,
+        error=None,
+        log_dir=None,
+    )
+    (e,) = r.events
+    assert (e.last_step_before, e.checkpoint_step, e.recomputed_steps) == (12, 10, 3)
+    assert e.recompute_s == pytest.approx(3.0)  # began at 15, step 12 done at 18
+    assert e.recovery_s == pytest.approx(2.5)
+    # To the restarted group's completion of step 12 (18), without progress: 4.5 s.
+    assert e.overhead_s == pytest.approx(4.5)
+    assert r.steps_repeated == 3
 
 
 # ---- rows, targets and headlines, on hand-made results ----
@@ -294,13 +331,13 @@ def test_rows_targets_verdicts_and_headlines(capsys: pytest.CaptureFixture[str])
     headlines = elastic.headline_records(record)
     results = {h["key"].split("/", 2)[2]: evaluate(h).result for h in headlines}
     assert results == {
-        "4w/grow/stall/default": "met",
-        "4w/grow/overhead/default": "met",
-        "4w/grow/stall/tuned": "met",
-        "4w/grow/overhead/tuned": "met",
-        "4w/crash/stall/default": "MISSED",
-        "4w/crash/overhead/default": "met",
-        "4w/crash/stall/tuned": "met",  # 0.33 of tuned's
+        "4w/grow/stall/default-k10": "met",
+        "4w/grow/overhead/default-k10": "met",
+        "4w/grow/stall/tuned-k10": "met",
+        "4w/grow/overhead/tuned-k10": "met",
+        "4w/crash/stall/default-k10": "MISSED",
+        "4w/crash/overhead/default-k10": "met",
+        "4w/crash/stall/tuned-k10": "met",  # 0.33 of tuned's
         # crash overhead vs tuned: torchrun's samples are <= 0, no record
         "4w/crash/back": "MISSED",
     }
@@ -324,6 +361,17 @@ def test_a_not_recovered_torchrun_event_is_said_so(capsys: pytest.CaptureFixture
     assert "skipped for want of time: repetition 3/3, 4 workers, vflow" in out
 
 
+def test_a_failed_vflow_chain_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
+    chains = _chains()
+    chains[0].result.error = "no recovery from crash of b within 90 s"
+    record = elastic.summarise(_config(), chains, [])
+    assert record["vflow_errors"] == [
+        "repetition 1, 4 workers: no recovery from crash of b within 90 s"
+    ]
+    elastic.print_results(record)
+    assert "VFLOW CHAIN FAILED: repetition 1" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -344,7 +392,7 @@ def test_help_estimates_the_full_run(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         elastic.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "the full run (" in out and "min on a 2-core machine" in out
+    assert "the full run (" in out and "min on a quiet 2-core machine" in out
     full = elastic.config_of(elastic._parser().parse_args([]))
     assert 20 * 60 < elastic.estimate_s(full) < 120 * 60
 
@@ -397,6 +445,7 @@ def test_quick_run_commits_every_batch_once_and_writes_headlines(tmp_path: Path)
     whole = detail["vflow_whole_run"]
     assert whole["chains"] == 1 and whole["batches"] > 0
     assert (whole["missing"], whole["repeated"], whole["partial"]) == (0, 0, 0)
+    assert detail["vflow_errors"] == []
     assert [e["verdict"] for e in detail["exactly_once"]] == ["met", "met"]
     rows = {(r["event"], r["side"]): r for r in detail["rows"]}
     assert set(rows) == {

@@ -296,8 +296,9 @@ class Rendezvous:
             keep_alive_max_attempt=keep_alive_attempts,
         )
         self._lock = threading.Lock()  # the poller and next_round never overlap
-        # Job-wide keys of vflow's own (Note [Joining a running job], vflow/elastic/job.py).
-        self._job = dist.PrefixStore(f"vflow/{job_id}", self._round_connection)
+        # Job-wide keys of vflow's own (Note [Joining a running job], vflow/elastic/job.py),
+        # read by the poller: on the connection no long wait ever holds.
+        self._job = dist.PrefixStore(f"vflow/{job_id}", self._store)
         self._adopted = False
         self._waiting = 0
         self._evicted = False
