@@ -48,8 +48,8 @@ TRAIN  before each step the worker's signal word says whether it sees workers wa
        the step's statistics (``Executor.signal``), so every member reads all of them
        at the same step. After the step:
        - any LEAVE: leavers leave the rendezvous and return; the others shrink to a
-         group of the same round without them (no new round) → TRAIN, or → ROUND when
-         fewer than ``min_workers`` remain;
+         group of the same round without them (no new round) → TRAIN; when fewer
+         than ``min_workers`` remain, they wait for workers to knock;
        - else any WAITING: the members let in the workers that knocked, within the
          round (grow; Note [Joining a running job]), or, when only the rendezvous'
          wait list has workers (they came before the job started), → ROUND;
@@ -67,7 +67,7 @@ DONE   ``steps`` reached: the rendezvous is closed (late joiners return None).
 Note [Joining ahead]
 Building a model, its optimizer and an Executor takes seconds in a fresh process (the
 first optimizer imports torch._dynamo), more with CUDA or a big model. A worker does
-it before it enters the wait list, on a group of its own (``single_group``), so the
+it before it asks to join, on a group of its own (``single_group``), so the
 members' stall for a grow is one agreement and the state's broadcast, and a worker
 slow to start never holds up a round. Its executor then joins with
 ``reconfigure(newcomer=True)``, which is what constructing it on the round's group
@@ -91,8 +91,9 @@ and so on, until every survivor has seen the failure. Then, in the round's store
 4. the ranks of the decision form the next group of the round and ``reconfigure``
    onto it with ``catch_up``, then redo the failed step.
 
-A survivor not in the decision (it answered after it was made) joins the next round
-and comes back as a grow; a newcomer not in it raises JoinRefused. A failure during
+A survivor not in the decision (it answered after it was made) asks to join again
+(Note [Joining a running job]) and comes back as a grow; a newcomer not in it raises
+JoinRefused. A failure during
 steps 1-4 starts them again on the next G, up to ``max_recoveries`` times, then the
 worker falls back to a new round. No rendezvous round forms, so a crash costs neither
 the heartbeat expiry nor the last call.
@@ -221,7 +222,7 @@ class _Outcome:
     seen: float  # time.monotonic() when this worker saw it
     workers: int = 0  # the size of this worker's worker set then (0: not a member yet)
     failed_step: int | None = None  # the step that raised CollectiveError, if one did
-    evicted: bool = False  # the rendezvous dropped this worker: only a new round helps
+    evicted: bool = False  # the rendezvous dropped this worker: it asks to join again
     left_out: bool = False  # the survivors of a failure went on without this worker
 
 
@@ -453,6 +454,11 @@ class ElasticJob:
             if need_round or not self._started():
                 try:
                     joined = self._round(rdzv, ex, member)
+                except _LeftOut:
+                    self._say_left_out()
+                    outcome = dataclasses.replace(outcome, reason="crash", left_out=True)
+                    need_round = False
+                    continue
                 except (CollectiveError, _RoundRefused) as e:
                     failures += 1
                     if failures > self.max_recoveries:
@@ -474,7 +480,15 @@ class ElasticJob:
                     need_round = True
                     continue
             else:
-                joined = self._knock(rdzv, ex, member)
+                try:
+                    joined = self._knock(rdzv, ex, member)
+                except _LeftOut:
+                    self._say_left_out()
+                    continue
+                except _RoundRefused as e:
+                    _log.log(e.level, "vflow elastic: %s; forming the next round", e)
+                    need_round = True
+                    continue
             if joined is None:
                 if not member:
                     _log.info(
@@ -492,30 +506,25 @@ class ElasticJob:
             if outcome.reason == "crash" and outcome.workers:
                 self._say_recovered(outcome, ex, members)
             if outcome.reason == "grow" and ex.world_size == outcome.workers:
-                # Every newcomer was refused: the worker set did not change.
-                _log.info(
-                    "vflow elastic: nobody joined; going on at step %d with the same %d worker(s)",
-                    ex.step_count,
-                    ex.world_size,
-                )
+                _say_nobody_joined(ex)
             else:
                 self._record(outcome, ex, rnd.number)
             while True:
                 outcome, workers = self._train(rdzv, workers, ex, train_step, steps)
                 if outcome.reason in ("grow", "few"):
-                    grown = self._admit(rdzv, workers, ex, wait=outcome.reason == "few")
+                    try:
+                        grown = self._admit(rdzv, workers, ex, wait=outcome.reason == "few")
+                    except _LeftOut:
+                        self._say_left_out()
+                        outcome = dataclasses.replace(outcome, reason="crash", left_out=True)
+                        break
                     if grown is None:
                         need_round = True  # only the rendezvous' wait list: a new round
                         break
                     if len(grown.ranks) > len(workers.ranks):
                         self._record(dataclasses.replace(outcome, reason="grow"), ex, rnd.number)
                     elif grown is not workers:
-                        _log.info(
-                            "vflow elastic: nobody joined; going on at step %d with the same "
-                            "%d worker(s)",
-                            ex.step_count,
-                            ex.world_size,
-                        )
+                        _say_nobody_joined(ex)
                     workers = grown
                     continue
                 if outcome.reason != "crash" or outcome.evicted:
@@ -523,10 +532,7 @@ class ElasticJob:
                 try:
                     recovered = self._recover(rdzv, workers, ex, newcomers=())
                 except _LeftOut:
-                    _log.warning(
-                        "vflow elastic: the others went on without this worker (it answered "
-                        "after they had agreed on who is left); joining the job again"
-                    )
+                    self._say_left_out()
                     outcome = dataclasses.replace(outcome, left_out=True)
                     break
                 if recovered is None:
@@ -536,7 +542,12 @@ class ElasticJob:
                 self._say_recovered(outcome, ex, ex.world_size)
                 self._record(outcome, ex, rnd.number)
                 if ex.world_size < self.min_workers:
-                    grown = self._admit(rdzv, workers, ex, wait=True)
+                    try:
+                        grown = self._admit(rdzv, workers, ex, wait=True)
+                    except _LeftOut:
+                        self._say_left_out()
+                        outcome = dataclasses.replace(outcome, left_out=True)
+                        break
                     if grown is None:
                         need_round = True
                         break
@@ -584,11 +595,13 @@ class ElasticJob:
         rnd = rdzv.adopt(int(answer["round"]), int(answer["rank"]))
         workers = _Workers(rnd, list(answer["ranks"]), int(answer["generation"]))
         newcomers = tuple(answer["newcomers"])
-        try:
-            workers = self._join_set(rdzv, workers, ex, member, newcomers)
-        except _RoundRefused as e:
-            raise JoinRefused(f"job {self.job_id!r}: {e}") from None
-        return workers, len(workers.ranks) - len(newcomers)
+        joined = self._join_set(rdzv, workers, ex, member, newcomers)
+        if joined is None:
+            raise _RoundRefused(
+                f"the worker set of job {self.job_id!r} failed to form {self.max_recoveries} times",
+                logging.WARNING,
+            )
+        return joined, len(joined.ranks) - len(newcomers)
 
     def _admit(
         self, rdzv: Rendezvous, workers: _Workers, ex: Executor, wait: bool
@@ -684,9 +697,15 @@ class ElasticJob:
                 logging.WARNING,
             )
         newcomers = tuple(r for r in workers.ranks if r not in members)
-        workers = self._join_set(rdzv, workers, ex, member, newcomers, group)
+        joined = self._join_set(rdzv, workers, ex, member, newcomers, group)
+        if joined is None:
+            raise _RoundRefused(
+                f"the worker set of round {rnd.number} of job {self.job_id!r} failed to form "
+                f"{self.max_recoveries} times",
+                logging.WARNING,
+            )
         self._job_store().set(self._started_key, b"1")
-        return workers, len(members)
+        return joined, len(members)
 
     def _join_set(
         self,
@@ -696,12 +715,13 @@ class ElasticJob:
         member: bool,
         newcomers: tuple[int, ...],
         group: dist.ProcessGroup | None = None,
-    ) -> _Workers:
+    ) -> _Workers | None:
         """Moves ``ex`` onto ``workers`` (every one of them calls this; ``group``: theirs
-        if already built); returns the set it ended on. Newcomers that the members refuse
-        (Note [Refusing newcomers], vflow/world/membership.py) or that fail while the set
-        forms are left out, and the members go on without them; a refused newcomer
-        raises JoinRefused."""
+        if already built); returns the set it ended on, or None when a failure while it
+        formed could not be recovered from within the round (a new round). Newcomers that
+        the members refuse (Note [Refusing newcomers], vflow/world/membership.py) or that
+        fail while the set forms are left out, and the members go on without them; a
+        refused newcomer raises JoinRefused, a member left out _LeftOut."""
         rnd = workers.round
         if group is None:
             group = self._group(rnd, workers.name, workers.ranks)
@@ -727,23 +747,20 @@ class ElasticJob:
             self._discard(group)
             del group
             if failed:
+                too_late = JoinRefused(
+                    f"job {self.job_id!r}: this worker did not join the worker set within the "
+                    f"join deadline (timeout_s={self.timeout_s:g} s); the members went on "
+                    "without it"
+                )
                 try:
                     recovered = self._recover(rdzv, workers, ex, newcomers)
                 except _LeftOut:
-                    recovered = None
-                if recovered is not None:
-                    workers = recovered
-                    break
-                if rnd.rank in newcomers:
-                    raise JoinRefused(
-                        f"job {self.job_id!r}: this worker did not join the worker set within "
-                        f"the join deadline (timeout_s={self.timeout_s:g} s); the members went "
-                        "on without it"
-                    )
-                raise _RoundRefused(
-                    f"the worker set of job {self.job_id!r} re-formed without this worker",
-                    logging.WARNING,
-                )
+                    if rnd.rank in newcomers:
+                        raise too_late from None
+                    raise
+                if recovered is None and rnd.rank in newcomers:
+                    raise too_late
+                return recovered
             group = self._group(rnd, workers.name, workers.ranks)
         return workers
 
@@ -929,6 +946,13 @@ class ElasticJob:
                 return _Outcome("grow", seen, ex.world_size), workers
         return _Outcome("done", time.monotonic()), workers
 
+    @staticmethod
+    def _say_left_out() -> None:
+        _log.warning(
+            "vflow elastic: the others went on without this worker (it answered after they "
+            "had agreed on who is left); joining the job again"
+        )
+
     def _lost_words(self, error: CollectiveError) -> tuple[str, str]:
         """Who failed, and why when it was a timeout (Note [Saying what a recovery
         does]): a collective that timed out cannot tell a hung worker from a lost one
@@ -1006,6 +1030,15 @@ class ElasticJob:
             checkpoint_io.save_local(self.checkpoint, ex)
             saved = f"; this worker's state (step {ex.step_count}) is in {self.checkpoint!r}"
         raise RuntimeError(f"job {self.job_id!r}: {what}{saved}") from error
+
+
+def _say_nobody_joined(ex: Executor) -> None:
+    # Every newcomer was refused or failed: the worker set did not change.
+    _log.info(
+        "vflow elastic: nobody joined; going on at step %d with the same %d worker(s)",
+        ex.step_count,
+        ex.world_size,
+    )
 
 
 # Note [NCCL rounds]
