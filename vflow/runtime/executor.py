@@ -442,7 +442,7 @@ class Executor:
         that some members committed and others did not.
 
         ``newcomer``: this executor has not trained with the others (it was built ahead of
-        joining, on no group): it takes part as a constructor on ``process_group`` would,
+        joining, on a group of its own): it takes part as a constructor on ``process_group`` would,
         receiving the members' training state, or rank 0's parameters when nobody is a
         member yet (``broadcast_parameters``). Newcomers that differ from agreeing
         members, or cannot load their state, make every rank raise ``RefusedNewcomers``
