@@ -415,10 +415,19 @@ class VflowChain(trb._Chain):
         return r
 
 
-def vflow_settings(cfg: Config, workers: int, start: int, folder: Path | None) -> trb.Settings:
-    k = cfg.vflow_k
+def chain_settings(
+    cfg: Config,
+    profile: trb.Profile,
+    k: int,
+    workers: int,
+    start: int,
+    folder: Path | None,
+    **side: Any,
+) -> trb.Settings:
+    """One chain's settings, the same for both sides but for the profile, K and
+    ``side``'s own (torchrun's restarts, vflow's exit wait)."""
     return trb.Settings(
-        profile=trb.Profile("vflow"),
+        profile=profile,
         workers=start,
         checkpoint_every=k,
         min_workers=1,
@@ -428,33 +437,11 @@ def vflow_settings(cfg: Config, workers: int, start: int, folder: Path | None) -
         batch_size=cfg.batch_size,
         threads=cfg.threads,
         event_timeout_s=cfg.event_timeout_s,
-        exit_timeout_s=30.0,
         keep_dir=folder,
         tail_steps=cfg.tail,
         settle_steps=cfg.settle,
         event_phase=k // 2,
-    )
-
-
-def torchrun_settings(
-    cfg: Config, run: TorchrunRun, workers: int, start: int, folder: Path | None
-) -> trb.Settings:
-    return trb.Settings(
-        profile=trb.PROFILES[run.profile],
-        workers=start,
-        checkpoint_every=run.checkpoint_every,
-        max_restarts=20,
-        min_workers=1,
-        max_workers=workers,
-        hidden=cfg.hidden,
-        layers=cfg.layers,
-        batch_size=cfg.batch_size,
-        threads=cfg.threads,
-        event_timeout_s=cfg.event_timeout_s,
-        keep_dir=folder,
-        tail_steps=cfg.tail,
-        settle_steps=cfg.settle,
-        event_phase=run.checkpoint_every // 2,
+        **side,
     )
 
 
@@ -468,7 +455,10 @@ def _with_first_step(events: list[trb.Event], k: int) -> list[trb.Event]:
 def run_vflow(cfg: Config, workers: int, deadline: float, folder: Path | None) -> trb.RunResult:
     start, events = chain_events(cfg.events, workers, "vflow")
     events = _with_first_step(events, cfg.vflow_k)
-    s = replace(vflow_settings(cfg, workers, start, folder), timeout_s=_left(deadline))
+    settings = chain_settings(
+        cfg, trb.Profile("vflow"), cfg.vflow_k, workers, start, folder, exit_timeout_s=30.0
+    )
+    s = replace(settings, timeout_s=_left(deadline))
     job = JobSettings(
         cfg.virtual_nodes,
         cfg.deterministic,
@@ -494,7 +484,16 @@ def run_torchrun(
 ) -> trb.RunResult:
     start, events = chain_events(kinds, workers, "torchrun")
     events = _with_first_step(events, run.checkpoint_every)
-    s = replace(torchrun_settings(cfg, run, workers, start, folder), timeout_s=_left(deadline))
+    settings = chain_settings(
+        cfg,
+        trb.PROFILES[run.profile],
+        run.checkpoint_every,
+        workers,
+        start,
+        folder,
+        max_restarts=20,
+    )
+    s = replace(settings, timeout_s=_left(deadline))
     return trb.run_chain(events, s)
 
 

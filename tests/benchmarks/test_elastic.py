@@ -457,8 +457,10 @@ def test_quick_run_commits_every_batch_once_and_writes_headlines(tmp_path: Path)
     assert all(r["recovered"] == 1 for r in rows.values())
     assert rows["crash", "vflow"]["sizes"] == "2->1"
     assert rows["crash", "torchrun tuned K=10"]["sizes"] == "2->2"
-    # torchrun restarted from its checkpoint: the steps since are computed again.
-    assert rows["crash", "torchrun tuned K=10"]["recomputed"] > 0
+    # vflow computes no step again. How many torchrun does depends on where the kill
+    # lands after its checkpoint: the quick run's steps take a few ms, so the signal's
+    # delivery can carry the kill past the next checkpoint (0 then).
+    assert rows["crash", "vflow"]["recomputed"] == 0 and rows["grow", "vflow"]["recomputed"] == 0
     assert {t["event"] for t in detail["targets"]} == {"grow", "crash"}
     for h in records[1:]:
         evaluate(h)
