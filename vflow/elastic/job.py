@@ -188,6 +188,7 @@ __all__ = ["LEAVE", "WAITING", "ElasticJob", "Event", "JoinRefused"]
 WAITING = 1  # signal bit: this worker sees workers waiting to join
 LEAVE = 2  # signal bit: this worker leaves after this step
 
+_STARTED = "started"  # a job store key: a worker set of the job has formed
 # How often a recovering worker looks at the others' answers and beats.
 _RECOVERY_POLL_S = 0.02
 
@@ -704,7 +705,7 @@ class ElasticJob:
                 f"{self.max_recoveries} times",
                 logging.WARNING,
             )
-        self._job_store().set(self._started_key, b"1")
+        self._job_store().set(_STARTED, b"1")
         return joined, len(members)
 
     def _join_set(
@@ -861,21 +862,17 @@ class ElasticJob:
                 f"creating the process group of round {rnd.number} ({name}) {outcome}: {e}"
             ) from e
 
-    @property
-    def _started_key(self) -> str:
-        return f"vflow/{self.job_id}/started"
-
     def _started(self) -> bool:
         """Whether a worker set of this job has formed (then newcomers knock)."""
         try:
-            return bool(self._job_store().check([self._started_key]))
+            return bool(self._job_store().check([_STARTED]))
         except dist.DistError:
             return False  # the store lost: next_round says so
 
     def _job_store(self) -> dist.Store:
         if self._rendezvous is None:
             raise RuntimeError("ElasticJob is not running")
-        return self._rendezvous.store
+        return self._rendezvous.job_store
 
     def _train(
         self,

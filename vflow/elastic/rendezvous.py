@@ -18,8 +18,9 @@ How the handler behaves, and what this module adds to use it from running worker
   keep_alive_attempts`` (a crashed or hung worker). Until then, callers wait on the
   wait list. So re-forming the group needs *every* live member to call
   ``next_round``; a dead one is dropped only by its heartbeat expiry, which is why
-  vflow.elastic recovers from a crash within the round instead (Note [Recovering within
-  the round], vflow/elastic/job.py) and forms rounds only for newcomers.
+  vflow.elastic forms rounds only to start a job (or as a fallback) and changes a
+  running worker set within its round (Note [Recovering within the round], Note
+  [Joining a running job], vflow/elastic/job.py).
 * A process that wants in while a round is complete sits on the wait list.
   ``num_nodes_waiting()`` reads it, but costs a store round trip, so a poller thread
   reads it in the background and ``waiting()`` returns the last count at no cost; the
@@ -354,9 +355,12 @@ class Rendezvous:
     def pending(self, room: int) -> list[int]:
         """The tickets of workers that knocked and were not answered yet, oldest first,
         at most ``room``."""
-        knocks = int(self._job.add(_KNOCKS, 0))
-        answered = int(self._job.add(_ANSWERED, 0))
+        answered, knocks = self._tickets()
         return list(range(answered + 1, min(knocks, answered + max(room, 0)) + 1))
+
+    def _tickets(self) -> tuple[int, int]:
+        """The highest ticket answered and the highest taken."""
+        return int(self._job.add(_ANSWERED, 0)), int(self._job.add(_KNOCKS, 0))
 
     def wait_list(self) -> int:
         """Workers on the rendezvous' wait list now (a store round trip)."""
@@ -389,9 +393,10 @@ class Rendezvous:
         return dist.PrefixStore(f"vflow/{self.job_id}/round{number}", self._round_connection)
 
     @property
-    def store(self) -> dist.Store:
-        """The rendezvous store itself, without a round's prefix."""
-        return self._store
+    def job_store(self) -> dist.Store:
+        """The job's own keys (under ``vflow/<job>``), on the connection the poller uses:
+        quick requests only, never a long wait."""
+        return self._job
 
     def waiting(self) -> int:
         """Workers waiting to join, as last seen by the poller (0 outside a round)."""
@@ -403,10 +408,7 @@ class Rendezvous:
         rnd = self._round
         if rnd is None:
             raise RuntimeError("beats() outside a round")
-        return {r: int(self._store.add(self._beat_key(rnd, r), 0)) for r in ranks}
-
-    def _beat_key(self, rnd: Round, rank: int) -> str:
-        return f"vflow/{self.job_id}/round{rnd.number}/beat/{rank}"
+        return {r: int(self._job.add(_beat_key(rnd, r), 0)) for r in ranks}
 
     def evicted(self) -> bool:
         """Whether the rendezvous dropped this worker from its round (its heartbeats
@@ -447,10 +449,10 @@ class Rendezvous:
                 if not self._in_round or self._round is None:
                     continue
                 try:
-                    self._store.add(self._beat_key(self._round, self._round.rank), 1)
-                    knocks = int(self._job.add(_KNOCKS, 0)) - int(self._job.add(_ANSWERED, 0))
+                    self._job.add(_beat_key(self._round, self._round.rank), 1)
+                    answered, knocks = self._tickets()
                     # num_nodes_waiting syncs the handler's state.
-                    self._waiting = self._handler.num_nodes_waiting() + knocks
+                    self._waiting = self._handler.num_nodes_waiting() + knocks - answered
                     state = self._handler._state_holder.state
                     self._evicted = (
                         not self._adopted and self._handler._this_node not in state.participants
@@ -459,3 +461,7 @@ class Rendezvous:
                     # A store that went away shows in the next round; the step's own
                     # collectives are not affected by it.
                     self._waiting = 0
+
+
+def _beat_key(rnd: Round, rank: int) -> str:
+    return f"round{rnd.number}/beat/{rank}"
