@@ -69,7 +69,7 @@ joins first ("restore", measured but not a row). The events:
 * crash: SIGUSR1 to a worker, which SIGKILLs itself in the backward of its next step
   (its stamp right before the kill is the event time). vflow: the survivors drop the
   broken group, agree in the store on who is left (a dead worker's beats stop for
-  0.6 s) and redo the step, N -> N-1, within the rendezvous round; torchrun: the
+  0.4 s) and redo the step, N -> N-1, within the rendezvous round; torchrun: the
   agents restart the group at N from the checkpoint.
 * stop: SIGSTOP to a worker. vflow: the survivors wait ElasticJob's ``timeout_s``
   (10 s), then go on without it (N -> N-1); torchrun: the survivors block in the

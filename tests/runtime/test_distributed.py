@@ -470,9 +470,11 @@ def _signals(rank: int, world_size: int) -> list[tuple[int, ...]]:
     ex.signal(rank + 5)
     seen.append(ex.step(batch).signals)
     seen.append(ex.step(batch).signals)  # reset once a step succeeded
+    ex.signal(lambda: 10 * rank)
+    seen.append(ex.step(batch).signals)
     return seen
 
 
 def test_every_rank_reads_every_workers_signal_at_the_same_step():
     for result in run_ranks(3, _signals, timeout=120):
-        assert result.value == [(5, 6, 7), (0, 0, 0)]
+        assert result.value == [(5, 6, 7), (0, 0, 0), (0, 10, 20)]

@@ -396,3 +396,32 @@ def test_signal_travels_with_the_next_step_and_is_checked():
     ex.signal(3)
     assert ex.step(batch).signals == (3,)
     assert ex.step(batch).signals == (0,)
+
+
+def test_a_signal_function_is_read_at_the_last_vn_and_its_result_checked():
+    model = torch.nn.Linear(4, 2)
+    forwards: list[int] = []
+    reads: list[int] = []
+
+    def loss_fn(m: torch.nn.Module, b: torch.Tensor) -> torch.Tensor:
+        forwards.append(len(forwards))
+        return m(b).sum()
+
+    ex = vflow.Executor(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, 3)
+    batch = torch.randn(6, 4)
+
+    def word() -> int:
+        reads.append(len(forwards))
+        return 9
+
+    ex.signal(word)
+    assert ex.step(batch).signals == (9,)
+    assert reads == [3]  # after the last VN's forward, before its backward
+    assert ex.step(batch).signals == (0,)
+    before = [p.detach().clone() for p in model.parameters()]
+    for bad in (-1, 2**31, True, None):
+        ex.signal(lambda bad=bad: bad)  # type: ignore[misc,return-value]
+        with pytest.raises(ValueError, match="the signal function's result must be an int"):
+            ex.step(batch)
+    assert ex.step_count == 2
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

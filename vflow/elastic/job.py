@@ -895,9 +895,13 @@ class ElasticJob:
                 return _Outcome("crash", time.monotonic(), ex.world_size, evicted=True), workers
             # A full worker set does not look at who waits (they wait for a place).
             room = len(workers.ranks) < min(self.max_workers, ex.virtual_nodes)
-            word = (WAITING if room and rdzv.waiting() else 0) | (
-                LEAVE if self._leave.is_set() else 0
-            )
+
+            def word(room: bool = room) -> int:
+                # Read by the step as late as it can send it: a knock or a SIGTERM
+                # that arrives during its forward passes acts after this step.
+                waiting = WAITING if room and rdzv.waiting() else 0
+                return waiting | (LEAVE if self._leave.is_set() else 0)
+
             ex.signal(word)
             step = ex.step_count
             try:

@@ -236,7 +236,7 @@ class Executor:
             self.scaler = None if config.loss_scaling is None else LossScaler()
         self.step_count = 0
         self.skipped_steps = 0
-        self._signal = 0
+        self._signal: int | Callable[[], int] = 0
         # Note [Plan changes wait for the data]: changes not yet in force, by first
         # step, and the plan and rank each drawn step's batch was split under.
         self._pending: list[_PendingPlan] = []
@@ -268,8 +268,8 @@ class Executor:
                 world,
                 self._agreement_columns(plan, params),
                 membership.Candidate(member=False, step_count=0, progress=""),
-                state_bytes=self._state_bytes,
-                load_state=self._load_state_bytes,
+                state=self.state_dict,
+                load_state=self._load_received_state,
                 fresh_start=lambda: self._broadcast_initial(world, params),
             )
         except BaseException:
@@ -472,8 +472,8 @@ class Executor:
                 ),
                 catch_up=catch_up,
             ),
-            state_bytes=self._state_bytes,
-            load_state=self._load_state_bytes,
+            state=self.state_dict,
+            load_state=self._load_received_state,
             fresh_start=lambda: self._broadcast_initial(world, self._params) if newcomer else None,
         )
         self.config = config
@@ -545,25 +545,35 @@ class Executor:
                 0, [*params, *self.model.buffers()], "broadcast of rank 0's parameters", None
             )
 
-    def _state_bytes(self) -> bytes:
-        return membership.serialize(self.state_dict())
-
-    def _load_state_bytes(self, data: bytes) -> Callable[[], None]:
+    def _load_received_state(self, state: object) -> Callable[[], None]:
+        if not isinstance(state, dict):
+            raise ValueError(f"the members sent a {type(state).__name__}, not a training state")
         before = training_state.copy_to_cpu(self.state_dict())
-        self.load_state_dict(membership.deserialize(data), assign=True)
+        # Copied, not adopted: the tensors are views of the whole received buffer.
+        self.load_state_dict(state)
         return lambda: self.load_state_dict(before, assign=True)
 
     # ---- training -------------------------------------------------------------------
 
-    def signal(self, word: int) -> None:
+    def signal(self, word: int | Callable[[], int]) -> None:
         """Sends ``word`` (an int in [0, 2**31)) with this worker's next step: every rank
         reads every worker's word in that step's ``StepResult.signals``. It travels in
         the step's statistics, so all workers learn it at the same step without a
         collective of their own (vflow.elastic announces joiners and leavers this
-        way). Reset to 0 once a step succeeds."""
-        if isinstance(word, bool) or not isinstance(word, int) or not 0 <= word < 2**31:
-            raise ValueError(f"word must be an int in [0, 2**31), got {word!r}")
+        way). ``word`` may be a function returning the int: the step calls it when it
+        sends its statistics (before its last VN's backward), so that what changes
+        during the step's forward passes still travels with it. Reset to 0 once a step
+        succeeds."""
+        if not callable(word):
+            _check_signal_word(word, "word")
         self._signal = word
+
+    def _signal_word(self) -> int:
+        if not callable(self._signal):
+            return self._signal
+        word = self._signal()
+        _check_signal_word(word, "the signal function's result")
+        return word
 
     def step(self, batch: Batch, *, global_batch_size: int | None = None) -> StepResult:
         """Runs one global step.
@@ -595,7 +605,7 @@ class Executor:
             buffers,
             self.seed,
             self.step_count,
-            self._signal,
+            self._signal_word,
             max(0, self._last_drawn() - self.step_count),
             self._own_profile,
             1.0 if self.scaler is None else self.scaler.scale,
@@ -838,3 +848,8 @@ def _auto_plan(plan: object) -> AutoPlan | None:
             )
         return AutoPlan()
     return plan if isinstance(plan, AutoPlan) else None
+
+
+def _check_signal_word(word: object, name: str) -> None:
+    if isinstance(word, bool) or not isinstance(word, int) or not 0 <= word < 2**31:
+        raise ValueError(f"{name} must be an int in [0, 2**31), got {word!r}")

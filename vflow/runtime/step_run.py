@@ -60,7 +60,7 @@ class StepInputs:
     module_buffers: BufferRule | None  # None when the model has no buffers to manage
     seed: int
     step: int
-    signal: int
+    signal: Callable[[], int]  # this worker's signal word, read when the stats are sent
     lead: int  # steps beyond this one whose batches this worker's sampler has drawn
     own_profile: WorkerProfile | None  # the previous step's, sent with this one
     loss_scale: float  # 1.0 without loss scaling
@@ -91,7 +91,7 @@ class StepRun:
         self.grad_norm: float | None = None
         self.stats_wait = 0.0
         self.gathered_profile: StepProfile | None = None
-        self.signals: tuple[int, ...] = (inputs.signal,)
+        self.signals: tuple[int, ...] = (0,)
         self.leads: tuple[int, ...] = (inputs.lead,)
         self.after_vns: Any = None
         self.after_reduce: Any = None
@@ -133,6 +133,11 @@ class StepRun:
                 self.weights.append(weight)
                 self.items.append(parsed.items)
                 last = position == last_position
+                if last:
+                    # Read as late as it can be sent, so that news arriving during the
+                    # step's forward passes travels with this step, not the next.
+                    signal = inputs.signal()
+                    self.signals = (signal,)
                 if last and distributed:
                     reducer.start_stats(
                         inputs.stats.encode(
@@ -143,7 +148,7 @@ class StepRun:
                             self.items,
                             inputs.own_profile,
                             inputs.world.rank,
-                            inputs.signal,
+                            signal,
                             inputs.lead,
                             inputs.world.device,
                         )

@@ -154,8 +154,9 @@ class World:
         return self.group is not None and self.size > 1
 
     def _run(self, collective: Callable[[], None], what: str, step: int | None) -> None:
-        """Runs one of the ``_C`` collectives, which copy their tensors (Note
-        [Collectives on tensors Python cannot see] in csrc/collectives.h)."""
+        """Runs ``collective``, one of the ``_C`` collectives (which copy their tensors:
+        Note [Collectives on tensors Python cannot see] in csrc/collectives.h) or
+        ``broadcast_own``'s; a failure becomes a CollectiveError saying ``what``."""
         where = "vflow" if step is None else f"vflow step {step}"
         start = time.monotonic()
         try:
@@ -188,6 +189,30 @@ class World:
             what,
             step,
         )
+
+    def broadcast_own(self, root: int, tensor: torch.Tensor, what: str) -> None:
+        """Copies rank ``root``'s ``tensor`` into ``tensor`` on every rank, in place:
+        for a contiguous tensor on ``device`` that nothing else reads or writes until
+        this returns or raises, which then needs none of ``broadcast_from``'s copies
+        (a timed-out collective may still write into it: the caller drops it)."""
+        if not self.distributed:
+            return
+        if not tensor.is_contiguous() or tensor.device != self.device:
+            raise ValueError(
+                f"tensor must be contiguous and on {self.device}, got one on {tensor.device}"
+            )
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        options.rootTensor = 0
+        options.timeout = self.timeout
+
+        group = self.group
+        assert group is not None  # distributed
+
+        def collective() -> None:
+            group.broadcast([tensor], options).wait(self.timeout)
+
+        self._run(collective, what, None)
 
     def sum(self, tensors: Sequence[torch.Tensor], what: str, step: int | None) -> None:
         """In place: each tensor becomes its sum over the ranks."""

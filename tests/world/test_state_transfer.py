@@ -1,0 +1,119 @@
+"""How a member's training state reaches new members (Note [Sending the training state],
+vflow/world/membership.py): every kind of value a state holds comes back bit for bit,
+and World.broadcast_own moves the packed buffer without copies."""
+
+from __future__ import annotations
+
+import collections
+import pickle
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from vflow.world.group import World
+from vflow.world.launch import run_ranks
+from vflow.world.membership import pack_state, unpack_state
+
+
+def _state() -> dict[str, Any]:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    return {
+        "model": model.state_dict(),
+        "flags": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.25, dtype=torch.float64),
+        "transposed": torch.arange(12.0).reshape(3, 4).t(),
+        "sparse": torch.eye(3).to_sparse(),
+        "nested": (1, "text", [torch.arange(5, dtype=torch.int16), None]),
+        "empty": torch.empty(0, 5),
+        "complex": torch.randn(3, dtype=torch.complex64),
+        "half": torch.randn(7).half(),
+        "int": 7,
+    }
+
+
+def _assert_same(sent: Any, got: Any, where: str = "state") -> None:
+    assert type(got) is type(sent), where
+    if isinstance(sent, torch.Tensor):
+        assert (got.dtype, got.shape, got.layout) == (sent.dtype, sent.shape, sent.layout), where
+        if sent.layout != torch.strided:
+            sent, got = sent.to_dense(), got.to_dense()
+        got_bytes = got.reshape(-1).view(torch.uint8)
+        assert torch.equal(got_bytes, sent.contiguous().reshape(-1).view(torch.uint8)), where
+    elif isinstance(sent, dict):
+        assert list(got) == list(sent), where
+        for key in sent:
+            _assert_same(sent[key], got[key], f"{where}[{key!r}]")
+    elif isinstance(sent, (list, tuple)):
+        assert len(got) == len(sent), where
+        for i, (a, b) in enumerate(zip(sent, got, strict=True)):
+            _assert_same(a, b, f"{where}[{i}]")
+    else:
+        assert got == sent, where
+
+
+def test_every_kind_of_value_comes_back_bit_for_bit() -> None:
+    state = _state()
+    state["half"][0] = float("nan")  # bits, not values: a NaN must stay this NaN
+    data, header_bytes = pack_state(state, torch.device("cpu"))
+    got = unpack_state(data.clone(), header_bytes)
+    _assert_same(state, got)
+    # Modules read their state-dict version from _metadata (BatchNorm's
+    # num_batches_tracked): an ordered dict must arrive as one, with it.
+    assert isinstance(got["model"], collections.OrderedDict)
+    assert got["model"]._metadata == state["model"]._metadata
+    rebuilt = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    rebuilt.load_state_dict(got["model"])
+
+
+def test_tensors_are_aligned_views_of_the_buffer() -> None:
+    data, header_bytes = pack_state(_state(), torch.device("cpu"))
+    got = unpack_state(data, header_bytes)
+    start = data.untyped_storage().data_ptr()
+    for value in (got["scalar"], got["complex"], got["model"]["0.weight"]):
+        assert value.untyped_storage().data_ptr() == start
+        assert (value.data_ptr() - start) % 64 == 0
+    # The payload is the tensors' bytes, not a serialisation of them.
+    payload = sum(t.numel() * t.element_size() for t in got["model"].values())
+    assert data.numel() < header_bytes + payload + 64 * (len(got["model"]) + 12)
+
+
+def test_an_unreadable_header_fails_to_load() -> None:
+    data, header_bytes = pack_state(_state(), torch.device("cpu"))
+    data[: header_bytes // 2] = 7
+    with pytest.raises(pickle.UnpicklingError):
+        unpack_state(data, header_bytes)
+
+
+def _broadcast_packed(rank: int, world_size: int) -> tuple[list[float], bool]:
+    world = World(dist.group.WORLD, timedelta(seconds=30))
+    if rank == 0:
+        data, header_bytes = pack_state({"w": torch.arange(1000.0)}, world.device)
+        sizes = torch.tensor([header_bytes, data.numel()])
+    else:
+        sizes = torch.zeros(2, dtype=torch.int64)
+    world.broadcast_from(0, [sizes], "sizes", None)
+    if rank != 0:
+        header_bytes = int(sizes[0])
+        data = torch.empty(int(sizes[1]), dtype=torch.uint8)
+    before = data.data_ptr()
+    world.broadcast_own(0, data, "the state")
+    state = unpack_state(data, header_bytes)
+    assert isinstance(state, dict)
+    return state["w"][::250].tolist(), data.data_ptr() == before
+
+
+def test_broadcast_own_fills_the_same_tensor_on_every_rank() -> None:
+    results = run_ranks(3, _broadcast_packed)
+    for r in results:
+        assert r.value == ([0.0, 250.0, 500.0, 750.0], True)
+
+
+def test_broadcast_own_refuses_a_tensor_it_would_have_to_copy() -> None:
+    world = World(None, timedelta(seconds=1))
+    world.size = 2  # what distributed checks first
+    world.group = object()  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="tensor must be contiguous and on cpu"):
+        world.broadcast_own(0, torch.zeros(4, 2).t(), "the state")
