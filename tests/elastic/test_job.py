@@ -6,6 +6,7 @@ batch exactly once. Every process and wait is bounded."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -15,11 +16,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.support import elastic_worker
 from tests.support.rendezvous import store_process
@@ -455,6 +458,22 @@ def test_a_joiner_dying_while_it_receives_the_state(job: Job) -> None:
     _assert_same_training(job)
 
 
+def test_a_joiner_dying_right_after_its_answer_costs_the_members_one_timeout(job: Job) -> None:
+    """b dies between the members' answer and its connection: their group's creation
+    times out (3 s here) and they go on without it, as after any failure while a set
+    forms; c joins later."""
+    job.start("a", "--timeout", "3")
+    job.wait_steps("a", 2)
+    job.start("b", "--timeout", "3", "--fault", "answered")
+    assert job.procs["b"].wait(timeout=90) == -signal.SIGKILL
+    job.start("c", "--timeout", "3")
+    codes = job.wait(only=["a", "c"])
+    assert codes == {"a": 0, "c": 0}, job.stderr("a") + job.stderr("c")
+    _assert_same_training(job)
+    assert "a worker failed while the worker set formed" in job.stderr("a")
+    assert max(line["workers"] for line in job.steps("a")) == 2
+
+
 # ---- joiners cannot take the job down (Note [Refusing newcomers]) ---------------------
 
 
@@ -606,6 +625,50 @@ def test_a_worker_knocking_at_a_full_job_gives_up_after_the_join_timeout(job: Jo
     assert codes["a"] == 0 and codes["b"] == 0, job.stderr("a")
     _assert_same_training(job, steps=60, virtual_nodes=2)
     assert max(line["workers"] for line in job.steps("a")) == 2
+
+
+def _knocks(job: Job) -> int:
+    """How many tickets workers have taken to join ``job`` (Note [Joining a running job])."""
+    host, port = job.endpoint.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+    return int(store.add(f"vflow/{job.name}/knocks", 0))
+
+
+def test_a_knocker_that_died_waiting_for_a_place_costs_the_members_nothing(job: Job) -> None:
+    """Note [Knockers beat too]: c knocks at a full job (V=2, two workers) and is killed
+    while it waits. When b leaves, a has room but passes c's ticket over (its beats
+    stopped) instead of waiting for c's connection until the 10 s timeout; d, knocking
+    later, is let in at once."""
+    common = ("--virtual-nodes", "2", "--timeout", "10")
+    job.workers = 99  # never reached: every step sleeps, so the job outlasts the events
+    job.start("a", *common, steps=90)
+    job.wait_steps("a", 1)
+    job.start("b", *common, steps=90)
+    deadline = time.monotonic() + 60
+    while _knocks(job) < 1 or max(line["workers"] for line in job.steps("a")) < 2:
+        assert time.monotonic() < deadline, job.stderr("a")
+        time.sleep(0.05)
+    job.start("c", *common, steps=90)
+    while _knocks(job) < 2:
+        assert time.monotonic() < deadline and job.procs["c"].poll() is None, job.stderr("c")
+        time.sleep(0.05)
+    job.procs["c"].kill()
+    time.sleep(1.0)  # c's beats stop for more than GONE_AFTER_S
+    job.procs["b"].send_signal(signal.SIGTERM)
+    assert job.procs["b"].wait(timeout=60) == 0, job.stderr("b")
+    alone = len(job.steps("a"))
+    job.wait_steps("a", alone + 3)
+    job.start("d", *common, steps=90)
+    codes = job.wait(only=["a", "d"])
+    assert codes == {"a": 0, "d": 0}, job.stderr("a") + job.stderr("d")
+    _assert_same_training(job, steps=90, virtual_nodes=2)
+    assert _reasons(job, "a") == ["start", "grow", "leave", "grow", "finish"], job.events("a")
+    last_grow = [e for e in job.events("a") if e["reason"] == "grow"][-1]
+    assert last_grow["seconds"] < 3.0, job.events("a")
+    assert not [w for w in _logged(job, "a", "WARNING") if "failed" in w], job.stderr("a")
+    # Nothing waited for c: no gap between a's steps near the 10 s timeout.
+    times = [line["t"] for line in job.steps("a")]
+    assert max(b - a for a, b in itertools.pairwise(times)) < 5.0
 
 
 def test_workers_beyond_v_in_the_first_round_are_refused_and_the_job_goes_on(job: Job) -> None:

@@ -20,7 +20,8 @@ VN; like start, before this worker took part in any collective of the step), sta
 (first thing in the last VN's backward: the step's statistics all-reduce has started,
 no gradient bucket has), allreduce (late in the last VN's backward, with buckets of
 the later layers already reducing), finalize (waiting for the reduction), optimizer
-(in optimizer.step), recovery (inside the first round after a crash), receiving (a
+(in optimizer.step), recovery (inside the first round after a crash), answered (a
+joiner, right after the members answered its knock, before it connects), receiving (a
 joiner, while it loads the state sent to it); ``--fault-signal``: SIGKILL (default)
 or SIGSTOP.
 
@@ -38,8 +39,8 @@ many times slower (vflow.planning.emulation.SlowDown). The data comes from a
 ``VNBatchSampler`` bound to the current executor (``bind(ex)``, then
 ``step_indices(step)``), so it follows every plan and worker set.
 
-The log file gets one JSON line per committed step ({"step", "rank", "workers",
-"counts", "indices"}), one per step that raised CollectiveError ({"failed": time.time(),
+The log file gets one JSON line per committed step ({"t": time.time(), "step", "rank",
+"workers", "counts", "indices"}), one per step that raised CollectiveError ({"failed": time.time(),
 "step"}) and a last line {"events": [...], "step": ...}. The lowest-ranked worker
 writes ``--out`` at the end: {"model", "optimizer", "step"}.
 """
@@ -59,6 +60,7 @@ import torch
 
 import vflow
 from vflow import elastic
+from vflow.elastic.rendezvous import Rendezvous
 from vflow.planning.emulation import SlowDown
 from vflow.world import membership
 from vflow.world.group import use_loopback_for_gloo
@@ -238,6 +240,7 @@ def main(argv: list[str]) -> int:
             log.write(json.dumps({"failed": time.time(), "step": step}) + "\n")
             raise
         record = {
+            "t": time.time(),
             "step": step,
             "rank": ex.rank,
             "workers": ex.world_size,
@@ -267,6 +270,16 @@ def main(argv: list[str]) -> int:
                 raise
 
         job._group = group_with_fault  # type: ignore[method-assign]
+    if args.fault == "answered":
+        knock = Rendezvous.knock
+
+        def knock_then_die(self: Rendezvous, timeout_s: float) -> dict[str, Any] | None:
+            answer = knock(self, timeout_s)
+            faults.current_step = faults.step
+            faults.hit("answered")
+            return answer
+
+        Rendezvous.knock = knock_then_die  # type: ignore[method-assign]
     if args.fault == "receiving":
         deserialize = membership.deserialize
 

@@ -114,8 +114,8 @@ does not use the rendezvous; it knocks:
    list, and a member that sees any sets WAITING in its next step's signal word, so
    that all of them act after the same step, when their set has room (``max_workers``,
    V);
-3. the members agree on whom to let in by compare-and-set on ``admit<G>`` in the
-   round's store (the first member's view wins), write every ticket's answer (the
+3. the members agree on whom to let in by compare-and-set on ``admit<G>/<step>`` in
+   the round's store (the first member's view wins), write every ticket's answer (the
    round, the new set's ranks, its number G + 1) and raise the answered counter;
 4. newcomers and members form the new set as in ROUND (newcomers take the negative
    of their ticket as their rank in the round: the round's own ranks are >= 0), with
@@ -125,7 +125,9 @@ A member stalls for one agreement, a group's creation and the state's broadcast
 (0.04 s in tests/elastic/test_job.py's grows). A worker let in this way is not a
 participant of the rendezvous' round: its heartbeats say nothing of it (its beats
 do), and in a fallback round it joins from the wait list. A worker that knocked and
-died before its answer costs the members the group's creation timeout (``timeout_s``).
+died while it waited is passed over (Note [Knockers beat too],
+vflow/elastic/rendezvous.py); one that died in the last GONE_AFTER_S before its answer
+costs the members the group's creation timeout (``timeout_s``).
 
 Note [The store during a round]
 Training needs no store: the step's collectives run over the group's own connections,
@@ -624,10 +626,11 @@ class ElasticJob:
                 tickets = rdzv.pending(room)
             # One decision for all members, whatever each one saw: who comes in, or
             # whether only the rendezvous' wait list has workers (they need a round).
+            # Its key names the step, which all members act after: a set that let nobody
+            # in after one step may let someone in after a later one.
             proposal = {"tickets": tickets, "round": not tickets and rdzv.wait_list() > 0}
-            decision = json.loads(
-                rnd.store.compare_set(f"vflow/admit{workers.generation}", "", json.dumps(proposal))
-            )
+            key = f"vflow/admit{workers.generation}/{ex.step_count}"
+            decision = json.loads(rnd.store.compare_set(key, "", json.dumps(proposal)))
             decided = [int(t) for t in decision["tickets"]]
             if not decided:
                 return None if decision["round"] else workers
@@ -724,11 +727,13 @@ class ElasticJob:
         fail while the set forms are left out, and the members go on without them; a
         refused newcomer raises JoinRefused, a member left out _LeftOut."""
         rnd = workers.round
-        if group is None:
-            group = self._group(rnd, workers.name, workers.ranks)
         while True:
             failed = False
             try:
+                # A newcomer that died after its answer never connects: the group's
+                # creation times out, a failure like any other while the set forms.
+                if group is None:
+                    group = self._group(rnd, workers.name, workers.ranks)
                 self._move(ex, group, newcomer=not member)
                 break
             except RefusedNewcomers as e:
@@ -745,8 +750,9 @@ class ElasticJob:
                 _log.debug("vflow elastic: round %d: %s", rnd.number, e)
                 failed = True
             # Before any wait: the group's connections close only with its last reference.
-            self._discard(group)
-            del group
+            if group is not None:
+                self._discard(group)
+            group = None
             if failed:
                 too_late = JoinRefused(
                     f"job {self.job_id!r}: this worker did not join the worker set within the "
@@ -762,7 +768,6 @@ class ElasticJob:
                 if recovered is None and rnd.rank in newcomers:
                     raise too_late
                 return recovered
-            group = self._group(rnd, workers.name, workers.ranks)
         return workers
 
     def _recover(

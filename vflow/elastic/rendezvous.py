@@ -111,8 +111,19 @@ __all__ = [
 # made quick rather than certain.
 _POLL_S = 0.1
 GONE_AFTER_S = 0.4
+
+# Note [Knockers beat too]
+# A worker waiting for its answer (Rendezvous.knock) beats on its ticket every _POLL_S,
+# and the members' pollers follow the unanswered tickets' beats: a ticket whose knocker
+# stopped beating for GONE_AFTER_S counts neither as waiting nor among the tickets to
+# let in, so a knocker that died while it waited (for a place in a full job, say) does
+# not make the members wait for its connection until their timeout. Letting in a later
+# ticket answers the skipped ones with "again": a knocker judged gone while it lived
+# (stopped, starved) takes a new ticket. One that dies after the members last looked
+# at its beats still costs them the group's creation timeout.
 _KNOCKS, _ANSWERED = "knocks", "answered"  # counters of tickets
 _KNOCK_POLL_S = 0.02  # a knocking worker looks for its answer this often
+_TICKETS_WATCHED = 16  # unanswered tickets whose knockers' beats the poller follows
 _CLOSED_POLL_S = 0.5  # and whether the job has finished, this often
 
 
@@ -305,6 +316,7 @@ class Rendezvous:
         self._job = dist.PrefixStore(f"vflow/{job_id}", self._store)
         self._adopted = False
         self._waiting = 0
+        self._knock_beats: dict[int, tuple[int, float]] = {}  # ticket: beat, when it moved
         self._evicted = False
         self._in_round = False
         self._round: Round | None = None
@@ -337,29 +349,53 @@ class Rendezvous:
         (Note [Joining a running job], vflow/elastic/job.py); returns the members'
         answer, or None when the job finished first. Raises RendezvousTimeoutError
         after ``timeout_s``."""
-        ticket = int(self._job.add(_KNOCKS, 1))
-        answer_key = f"admit/{ticket}"
         deadline = time.monotonic() + timeout_s
-        next_look = 0.0
-        while not self._job.check([answer_key]):
-            now = time.monotonic()
-            if now >= next_look:
-                with self._lock:
-                    if self._handler.is_closed():
-                        return None
-                next_look = now + _CLOSED_POLL_S
-            if now > deadline:
-                raise RendezvousTimeoutError(
-                    f"no answer to this worker's request to join within {timeout_s:g} s"
-                )
-            time.sleep(_KNOCK_POLL_S)
-        return dict(json.loads(self._job.get(answer_key)), ticket=ticket)
+        while True:
+            ticket = int(self._job.add(_KNOCKS, 1))
+            answer_key = f"admit/{ticket}"
+            next_look = next_beat = 0.0
+            while not self._job.check([answer_key]):
+                now = time.monotonic()
+                if now >= next_beat:  # Note [Knockers beat too]
+                    self._job.add(_knock_beat_key(ticket), 1)
+                    next_beat = now + _POLL_S
+                if now >= next_look:
+                    with self._lock:
+                        if self._handler.is_closed():
+                            return None
+                    next_look = now + _CLOSED_POLL_S
+                if now > deadline:
+                    raise RendezvousTimeoutError(
+                        f"no answer to this worker's request to join within {timeout_s:g} s"
+                    )
+                time.sleep(_KNOCK_POLL_S)
+            answer = json.loads(self._job.get(answer_key))
+            if not answer.get("again"):
+                return dict(answer, ticket=ticket)
 
     def pending(self, room: int) -> list[int]:
-        """The tickets of workers that knocked and were not answered yet, oldest first,
-        at most ``room``."""
+        """The tickets of workers that knocked, were not answered yet and still beat
+        (Note [Knockers beat too]), oldest first, at most ``room``."""
         answered, knocks = self._tickets()
-        return list(range(answered + 1, min(knocks, answered + max(room, 0)) + 1))
+        with self._lock:
+            live = [t for t in range(answered + 1, knocks + 1) if not self._knocker_gone(t)]
+        return live[: max(room, 0)]
+
+    def _knocker_gone(self, ticket: int) -> bool:
+        seen = self._knock_beats.get(ticket)
+        return seen is not None and time.monotonic() - seen[1] >= GONE_AFTER_S
+
+    def _watch_knockers(self, answered: int, knocks: int) -> int:
+        """Reads the beats of the unanswered tickets' knockers (the poller, under the
+        lock); returns how many of them still beat."""
+        now = time.monotonic()
+        watched = range(answered + 1, min(knocks, answered + _TICKETS_WATCHED) + 1)
+        beats = {t: int(self._job.add(_knock_beat_key(t), 0)) for t in watched}
+        self._knock_beats = {
+            t: seen if (seen := self._knock_beats.get(t)) and seen[0] == beat else (beat, now)
+            for t, beat in beats.items()
+        }
+        return knocks - answered - sum(self._knocker_gone(t) for t in watched)
 
     def _tickets(self) -> tuple[int, int]:
         """The highest ticket answered and the highest taken."""
@@ -376,6 +412,9 @@ class Rendezvous:
         for ticket, answer in zip(tickets, answers, strict=True):
             self._job.set(f"admit/{ticket}", json.dumps(answer))
         top = max(tickets)
+        for ticket in range(int(self._job.add(_ANSWERED, 0)) + 1, top):
+            if ticket not in tickets:  # judged gone: should it still live, it knocks again
+                self._job.set(f"admit/{ticket}", json.dumps({"again": True}))
         # Raised to ``top`` with compare-and-set: the members write at the same time.
         answered = int(self._job.add(_ANSWERED, 0))
         while answered < top:
@@ -453,9 +492,9 @@ class Rendezvous:
                     continue
                 try:
                     self._job.add(_beat_key(self._round, self._round.rank), 1)
-                    answered, knocks = self._tickets()
+                    knocking = self._watch_knockers(*self._tickets())
                     # num_nodes_waiting syncs the handler's state.
-                    self._waiting = self._handler.num_nodes_waiting() + knocks - answered
+                    self._waiting = self._handler.num_nodes_waiting() + knocking
                     state = self._handler._state_holder.state
                     self._evicted = (
                         not self._adopted and self._handler._this_node not in state.participants
@@ -468,3 +507,7 @@ class Rendezvous:
 
 def _beat_key(rnd: Round, rank: int) -> str:
     return f"round{rnd.number}/beat/{rank}"
+
+
+def _knock_beat_key(ticket: int) -> str:
+    return f"knock/{ticket}/beat"
