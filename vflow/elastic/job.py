@@ -43,10 +43,10 @@ ROUND  ``next_round`` (the job's start, or a fallback) until the rendezvous comp
        forms is dropped as in a crash (RECOVER; newcomers are not waited for). A round
        without any member of a job that has started is refused and retried (the members
        are still on their way), so newcomers never start the job over. → TRAIN
-TRAIN  before each step the worker's signal word says whether it sees workers waiting
-       to join (WAITING) and whether it was asked to leave (LEAVE); the words travel in
-       the step's statistics (``Executor.signal``), so every member reads all of them
-       at the same step. After the step:
+TRAIN  each step's signal word says whether the worker sees workers waiting to join
+       (WAITING) and whether it was asked to leave (LEAVE), read as late as the step
+       can send it; the words travel in the step's statistics (``Executor.signal``), so
+       every member reads all of them at the same step. After the step:
        - any LEAVE: leavers leave the rendezvous and return; the others shrink to a
          group of the same round without them (no new round) → TRAIN; when fewer
          than ``min_workers`` remain, they wait for workers to knock;
@@ -110,8 +110,8 @@ does not use the rendezvous; it knocks:
 
 1. it takes a ticket, ``add("knocks", 1)`` under ``vflow/<job>``, and waits for the
    key ``admit/<ticket>`` (or for the rendezvous to close: the job finished);
-2. the members' pollers count the knocks not answered yet with the rendezvous' wait
-   list, and a member that sees any sets WAITING in its next step's signal word, so
+2. the members' pollers count the knocks not answered yet (whose knockers still beat)
+   with the rendezvous' wait list, and a member that sees any sets WAITING in its current step's signal word, so
    that all of them act after the same step, when their set has room (``max_workers``,
    V);
 3. the members agree on whom to let in by compare-and-set on ``admit<G>/<step>`` in
