@@ -111,9 +111,9 @@ does not use the rendezvous; it knocks:
 1. it takes a ticket, ``add("knocks", 1)`` under ``vflow/<job>``, and waits for the
    key ``admit/<ticket>`` (or for the rendezvous to close: the job finished);
 2. the members' pollers count the knocks not answered yet (whose knockers still beat)
-   with the rendezvous' wait list, and a member that sees any sets WAITING in its current step's signal word, so
-   that all of them act after the same step, when their set has room (``max_workers``,
-   V);
+   with the rendezvous' wait list, and a member that sees any sets WAITING in its
+   current step's signal word, so that all of them act after the same step, when their
+   set has room (``max_workers``, V);
 3. the members agree on whom to let in by compare-and-set on ``admit<G>/<step>`` in
    the round's store (the first member's view wins), write every ticket's answer (the
    round, the new set's ranks, its number G + 1) and raise the answered counter;
