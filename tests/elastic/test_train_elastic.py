@@ -1,8 +1,9 @@
 """examples/train_elastic.py as a user runs it: the README's lines ("### Elastic jobs"),
 as written but for the port and the ``--out`` path, start the store and a worker; the
 same line started again adds a worker, which then dies of SIGKILL, and once more adds
-another; or the same line with another ``--seed`` or ``--virtual-nodes``, which the job
-refuses. The job ends with an ``--out`` file bitwise equal to the same line run alone
+another; or the same line with another ``--seed`` or ``--virtual-nodes``, or the
+example with one more layer or loading the state too slowly
+(tests/support/altered_example.py), which the job refuses. The job ends with an ``--out`` file bitwise equal to the same line run alone
 under another job id. The store and every worker are subprocesses; every wait is bounded
 and every process is killed at the end."""
 
@@ -16,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("needs torch.distributed with Gloo", allow_module_level=True)
 
 SCRIPT = REPO_ROOT / "examples" / "train_elastic.py"
+ALTERED = REPO_ROOT / "tests" / "support" / "altered_example.py"
 README = REPO_ROOT / "README.md"
 REQUIRED = ("--rdzv", "--job", "--steps", "--virtual-nodes", "--seed", "--deterministic", "--out")
 README_PORT = "29400"
@@ -103,14 +105,20 @@ class Workers:
     """Processes of the README's worker line, each with a stderr file (the example logs
     there)."""
 
-    def __init__(self, words: list[str], port: int, tmp: Path) -> None:
-        self.words, self.port, self.tmp = words, port, tmp
+    def __init__(self, words: list[str], port: int, tmp: Path, extra: Sequence[str] = ()) -> None:
+        self.words, self.port, self.tmp, self.extra = words, port, tmp, list(extra)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, name: str, **replace: str) -> None:
+    def start(self, name: str, change: str | None = None, **replace: str) -> None:
+        """Starts the line (with ``replace``'s values and the extra flags); ``change``:
+        through tests/support/altered_example.py with that change."""
+        words = _as_here(self.words, self.port, **replace) + self.extra
+        if change is not None:
+            script = next(i for i, w in enumerate(words) if w.endswith("train_elastic.py"))
+            words = [words[0], str(ALTERED), change, "--", *words[script + 1 :]]
         with (self.tmp / f"{name}.err").open("wb") as err:
             self.procs[name] = subprocess.Popen(
-                _as_here(self.words, self.port, **replace),
+                words,
                 cwd=REPO_ROOT,
                 env=_env(),
                 stdout=subprocess.DEVNULL,
@@ -185,14 +193,15 @@ def test_help_lists_the_required_flags() -> None:
 
 
 @contextmanager
-def _readme_job(tmp_path: Path) -> Iterator[tuple[Workers, Path, Path]]:
-    """The README's store, and its worker line started twice: alone under another job
-    id (the reference, which writes the second path) and as worker "a" of the job
-    (which writes the first), once it trains. Every worker is killed on the way out."""
+def _readme_job(tmp_path: Path, extra: Sequence[str] = ()) -> Iterator[tuple[Workers, Path, Path]]:
+    """The README's store, and its worker line (plus ``extra`` flags, for every worker)
+    started twice: alone under another job id (the reference, which writes the second
+    path) and as worker "a" of the job (which writes the first), once it trains. Every
+    worker is killed on the way out."""
     store, worker = _readme_lines()
     out, alone = tmp_path / "final.pt", tmp_path / "alone.pt"
     with _readme_store(store) as port:
-        workers = Workers(worker, port, tmp_path)
+        workers = Workers(worker, port, tmp_path, extra)
         try:
             workers.start("alone", job="alone", out=str(alone))
             workers.start("a", out=str(out))
@@ -250,6 +259,30 @@ def test_joiners_with_other_settings_are_refused_and_the_job_finishes_bitwise(
             assert workers.procs[name].wait(timeout=WAIT_S) == 1, workers.stderr(name)
             said = workers.stderr(name)
             assert "refused by the members" in said and named in said, said[-4000:]
+        codes = workers.wait(["a", "alone"], timeout=120)
+        assert codes == {"a": 0, "alone": 0}, workers.stderr("a")[-4000:]
+    assert _reasons(workers.events("a")) == ["start", "finish"], workers.events("a")
+    assert "were refused" in workers.stderr("a")
+    _assert_bitwise_equal(torch.load(out, weights_only=True), torch.load(alone, weights_only=True))
+
+
+@pytest.mark.slow
+def test_a_joiner_with_another_model_or_too_slow_is_refused_and_the_job_finishes_bitwise(
+    tmp_path: Path,
+) -> None:
+    """The README's worker line (with a 5 s --timeout for all) joined by the example
+    with one more layer, then by the example loading the state 8 s too slowly (past the
+    join deadline, timeout_s): each exits with status 1 saying why, and the job goes on
+    to an --out bitwise equal to the one-worker run."""
+    with _readme_job(tmp_path, extra=["--timeout", "5"]) as (workers, out, alone):
+        workers.start("wider", change="wider-model")
+        assert workers.procs["wider"].wait(timeout=WAIT_S) == 1, workers.stderr("wider")
+        said = workers.stderr("wider")
+        assert "refused by the members" in said and "model layout" in said, said[-4000:]
+        workers.start("slow", change="slow-load=8")
+        assert workers.procs["slow"].wait(timeout=WAIT_S) == 1, workers.stderr("slow")
+        said = workers.stderr("slow")
+        assert "did not join the worker set within the join deadline" in said, said[-4000:]
         codes = workers.wait(["a", "alone"], timeout=120)
         assert codes == {"a": 0, "alone": 0}, workers.stderr("a")[-4000:]
     assert _reasons(workers.events("a")) == ["start", "finish"], workers.events("a")
