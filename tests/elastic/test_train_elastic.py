@@ -3,9 +3,10 @@ as written but for the port and the ``--out`` path, start the store and a worker
 same line started again adds a worker, which then dies of SIGKILL, and once more adds
 another; or the same line with another ``--seed`` or ``--virtual-nodes``, or the
 example with one more layer or loading the state too slowly
-(tests/support/altered_example.py), which the job refuses. The job ends with an ``--out`` file bitwise equal to the same line run alone
-under another job id. The store and every worker are subprocesses; every wait is bounded
-and every process is killed at the end."""
+(tests/support/altered_example.py), which the job refuses. The job ends with an
+``--out`` file bitwise equal to the same line run alone under another job id. The store
+and every worker are subprocesses; every wait is bounded and every process is killed at
+the end."""
 
 from __future__ import annotations
 
