@@ -40,9 +40,9 @@ many times slower (vflow.planning.emulation.SlowDown). The data comes from a
 ``step_indices(step)``), so it follows every plan and worker set.
 
 The log file gets one JSON line per committed step ({"t": time.time(), "step", "rank",
-"workers", "counts", "indices"}), one per step that raised CollectiveError ({"failed": time.time(),
-"step"}) and a last line {"events": [...], "step": ...}. The lowest-ranked worker
-writes ``--out`` at the end: {"model", "optimizer", "step"}.
+"workers", "counts", "indices"}), one per step that raised CollectiveError ({"failed":
+time.time(), "step"}) and a last line {"events": [...], "step": ...}. The lowest-ranked
+worker writes ``--out`` at the end: {"model", "optimizer", "step"}.
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ __all__ = [
 # every _POLL_S: a worker whose counter has not moved for GONE_AFTER_S is dead or
 # stopped. A live worker's poller needs the GIL for a moment every _POLL_S, which the
 # step's compute releases, so GONE_AFTER_S is several polls. It is most of what a crash
-# costs the survivors (benchmarks/elastic.py: 0.6 s of a 0.9 s stall); a live worker
+# costs the survivors (benchmarks/elastic.py: 0.4 s of a 0.7 s stall); a live worker
 # wrongly judged gone is only left out and comes back as a grow, so the verdict is
 # made quick rather than certain.
 _POLL_S = 0.1

@@ -159,8 +159,8 @@ def join(
     load_state: Callable[[object], Callable[[], None]],
     fresh_start: Callable[[], None],
 ) -> None:
-    """Runs Note [Joining a worker set] for this rank. ``state_bytes`` (on the member
-    that sends) returns the training state, a tree of dicts, lists and tensors;
+    """Runs Note [Joining a worker set] for this rank. ``state`` (on the member that
+    sends) returns the training state, a tree of dicts, lists and tensors;
     ``load_state`` (on a newcomer) applies it (its tensors are views of a receive
     buffer: to be copied, not kept) and returns what puts the newcomer's own state
     back, should another newcomer fail; ``fresh_start`` runs when nobody is a member
