@@ -106,6 +106,33 @@ def _crash_logs(folder: Path) -> None:
     _write(folder / name, lines)
 
 
+def _analysed(
+    folder: Path,
+    fired: list[trb._Fired],
+    *,
+    profile: str,
+    start_size: int,
+    end_step: int,
+    first_start_t: float | None = None,
+) -> trb.RunResult:
+    """The logs in ``folder`` analysed as one 20 s run of a chain, without error."""
+    logs = trb._Logs(folder)
+    logs.poll()
+    return trb.analyse(
+        profile=profile,
+        settings={},
+        groups=logs.groups(),
+        procs=list(logs.procs.values()),
+        fired=fired,
+        start_size=start_size,
+        end_step=end_step,
+        first_start_t=first_start_t,
+        wall_s=20.0,
+        error=None,
+        log_dir=None,
+    )
+
+
 def test_the_vflow_logs_give_stall_recovery_and_no_recomputed_step(tmp_path: Path) -> None:
     _crash_logs(tmp_path)
     logs = trb._Logs(tmp_path)
@@ -113,19 +140,7 @@ def test_the_vflow_logs_give_stall_recovery_and_no_recomputed_step(tmp_path: Pat
     groups = logs.groups()
     assert [(g.key, g.world) for g in groups] == [("round 0/set0", 2), ("round 0/set1", 1)]
     fired = [trb._Fired(trb.Event("crash", 5), "b", 10.5, 2, 1)]
-    r = trb.analyse(
-        profile="vflow",
-        settings={},
-        groups=groups,
-        procs=list(logs.procs.values()),
-        fired=fired,
-        start_size=2,
-        end_step=19,
-        first_start_t=-2.0,
-        wall_s=20.0,
-        error=None,
-        log_dir=None,
-    )
+    r = _analysed(tmp_path, fired, profile="vflow", start_size=2, end_step=19, first_start_t=-2.0)
     (e,) = r.events
     assert e.recovered and e.recovery_s == pytest.approx(1.0)  # step 10 done at 11.5
     assert e.stall_s == {"a": pytest.approx(1.5)}  # its commits at 10.0 and 11.5
@@ -148,21 +163,8 @@ def test_a_step_committed_by_part_of_a_worker_set_is_partial_and_missing(tmp_pat
     (tmp_path / "a.s1.jsonl").unlink()
     name, a_lines = _set("a", 1, "round 0/set1", 0, 1, 11.0, range(11, 20), 0.5)
     _write(tmp_path / name, a_lines)
-    logs = trb._Logs(tmp_path)
-    logs.poll()
-    r = trb.analyse(
-        profile="vflow",
-        settings={},
-        groups=logs.groups(),
-        procs=list(logs.procs.values()),
-        fired=[trb._Fired(trb.Event("crash", 5), "b", 10.5, 2, 1)],
-        start_size=2,
-        end_step=19,
-        first_start_t=None,
-        wall_s=20.0,
-        error=None,
-        log_dir=None,
-    )
+    fired = [trb._Fired(trb.Event("crash", 5), "b", 10.5, 2, 1)]
+    r = _analysed(tmp_path, fired, profile="vflow", start_size=2, end_step=19)
     assert r.partial_steps == [10] and r.missing_steps == [10]
 
 
@@ -176,21 +178,8 @@ def test_a_restart_recomputes_and_its_overhead_runs_to_the_last_groups_end(
     _, lines = _set("a", 1, "127.0.0.1:2", 0, 1, 15.0, range(10, 13), 1.0)
     lines.insert(1, {"loaded": 15.0, "step": 10})
     _write(tmp_path / "a.r1.p2.jsonl", lines)
-    logs = trb._Logs(tmp_path)
-    logs.poll()
-    r = trb.analyse(
-        profile="tuned",
-        settings={},
-        groups=logs.groups(),
-        procs=list(logs.procs.values()),
-        fired=[trb._Fired(trb.Event("crash", 5), "a", 13.5, 1, 1)],
-        start_size=1,
-        end_step=12,
-        first_start_t=None,
-        wall_s=20.0,
-        error=None,
-        log_dir=None,
-    )
+    fired = [trb._Fired(trb.Event("crash", 5), "a", 13.5, 1, 1)]
+    r = _analysed(tmp_path, fired, profile="tuned", start_size=1, end_step=12)
     (e,) = r.events
     assert (e.last_step_before, e.checkpoint_step, e.recomputed_steps) == (12, 10, 3)
     assert e.recompute_s == pytest.approx(3.0)  # began at 15, step 12 done at 18

@@ -27,10 +27,9 @@ error propagates.
 
 from __future__ import annotations
 
-import collections
 import copy
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +37,7 @@ import torch
 
 from vflow._version import __version__
 from vflow.runtime.amp import LossScaler
+from vflow.world.membership import map_tensors
 
 FORMAT = "vflow.executor"
 VERSION = 1
@@ -136,21 +136,7 @@ def load(target: Target, state: Any, *, assign: bool = False) -> Progress:
 def copy_to_cpu(value: Any) -> Any:
     """A CPU copy of a state (or any tree of tensors), keeping each state dict's
     ``_metadata``: what a caller keeps to put a state back later."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, Mapping):
-        out = collections.OrderedDict() if isinstance(value, collections.OrderedDict) else {}
-        for key, item in value.items():
-            out[key] = copy_to_cpu(item)
-        # Modules read their state-dict version from _metadata (e.g. BatchNorm's
-        # num_batches_tracked); without it they would take the state for an old one.
-        metadata = getattr(value, "_metadata", None)
-        if metadata is not None:
-            out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
-        return out
-    if isinstance(value, (list, tuple)):
-        return type(value)(copy_to_cpu(item) for item in value)
-    return copy.deepcopy(value)
+    return map_tensors(value, lambda t: t.detach().to("cpu", copy=True), copy.deepcopy)
 
 
 @dataclass
@@ -365,22 +351,8 @@ def _check_scaler(scaler: LossScaler | None, saved: Any) -> None:
 # ---- helpers ------------------------------------------------------------------------------
 
 
-def _map_tensors(
-    value: Any, fn: Callable[[torch.Tensor], torch.Tensor], leaf: Callable[[Any], Any]
-) -> Any:
-    """``value`` with every tensor in its dicts, lists and tuples replaced by ``fn(t)``
-    and every other leaf by ``leaf(x)``."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, Mapping):
-        return {k: _map_tensors(v, fn, leaf) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(v, fn, leaf) for v in value)
-    return leaf(value)
-
-
 def clone_tree(value: Any) -> Any:
-    return _map_tensors(value, lambda t: t.detach().clone(), lambda x: x)
+    return map_tensors(value, lambda t: t.detach().clone())
 
 
 def _class_name(obj: object) -> str:

@@ -288,7 +288,7 @@ def pack_state(state: object, device: torch.device) -> tuple[torch.Tensor, int]:
         tensors.append(t.detach())
         return torch.empty(0, dtype=t.dtype)
 
-    skeleton = _map_tree(state, placeholder)
+    skeleton = map_tensors(state, placeholder)
     layout: list[tuple[list[int], int]] = []
     end = 0
     for t in tensors:
@@ -317,27 +317,33 @@ def unpack_state(data: torch.Tensor, header_bytes: int) -> object:
         size = math.prod(shape) * t.element_size()
         return data[start + at : start + at + size].view(t.dtype).view(shape)
 
-    return _map_tree(header["state"], place)
+    return map_tensors(header["state"], place)
 
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _map_tree(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``value`` with every tensor in its dicts, lists and tuples replaced by ``fn(t)``,
-    in a fixed order; an ordered dict stays one, with its ``_metadata`` (modules read
-    their state-dict version from it)."""
+def map_tensors(
+    value: Any,
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    leaf: Callable[[Any], Any] | None = None,
+) -> Any:
+    """``value`` with every tensor in its dicts, lists and tuples replaced by ``fn(t)``
+    and every other leaf by ``leaf(x)`` (default: kept), in a fixed order. An ordered
+    dict stays one, with its ``_metadata``: modules read their state-dict version from
+    it (e.g. BatchNorm's num_batches_tracked), and without it would take the state for
+    an old one."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, Mapping):
         out = collections.OrderedDict() if isinstance(value, collections.OrderedDict) else {}
         for key, item in value.items():
-            out[key] = _map_tree(item, fn)
+            out[key] = map_tensors(item, fn, leaf)
         metadata = getattr(value, "_metadata", None)
         if metadata is not None:
             out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
         return out
     if isinstance(value, (list, tuple)):
-        return type(value)(_map_tree(item, fn) for item in value)
-    return value
+        return type(value)(map_tensors(item, fn, leaf) for item in value)
+    return value if leaf is None else leaf(value)
