@@ -14,6 +14,7 @@ what"), each importing only the rooms below it:
     world     the process group and its collectives, joining a worker set, local ranks
     runtime   Executor: the step, gradient buffers, reduction, checkpoints
     elastic   ElasticJob: workers join, leave and crash while the job runs
+    pipeline  PipelineExecutor: VNs as the microbatches of pipeline replicas
     bench     python -m vflow bench, the headline records, tables
     demo      python -m vflow demo: the main job and its scenarios
 
@@ -28,11 +29,12 @@ import sys
 import warnings
 from types import ModuleType
 
-from vflow import elastic, ops
+from vflow import elastic, ops, pipeline
 from vflow._extension import _C
 from vflow._version import __version__
 from vflow.data import VNBatchSampler, VNTransform
 from vflow.mapping import Plan, VNSlice, split_sizes
+from vflow.pipeline import Pipeline, PipelineExecutor
 from vflow.planning import (
     AutoPlan,
     PlanChange,
@@ -54,6 +56,8 @@ __all__ = [
     "Executor",
     "LossScaler",
     "PhaseTimings",
+    "Pipeline",
+    "PipelineExecutor",
     "Plan",
     "PlanChange",
     "PlanDecision",
@@ -71,6 +75,7 @@ __all__ = [
     "emulation",
     "load",
     "ops",
+    "pipeline",
     "planner",
     "save",
     "split_sizes",

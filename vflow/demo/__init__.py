@@ -7,10 +7,17 @@ and a progress bar (``progress``). ``digits`` holds the data, model and loss tha
 examples import from here.
 
 May import: vflow.mapping, vflow.planning, vflow.data, vflow.world, vflow.runtime,
-vflow.elastic, vflow.bench and the package's face (vflow); no room imports the demo.
+vflow.elastic, vflow.pipeline, vflow.bench and the package's face (vflow); no room imports the demo.
 """
 
-from vflow.demo.digits import accuracy, cross_entropy, epoch_order, load_digits_split, make_model
+from vflow.demo.digits import (
+    accuracy,
+    cross_entropy,
+    epoch_order,
+    load_digits_split,
+    make_model,
+    make_pipeline_model,
+)
 
 __all__ = [
     "accuracy",
@@ -19,6 +26,7 @@ __all__ = [
     "load_digits_split",
     "main",
     "make_model",
+    "make_pipeline_model",
 ]
 
 

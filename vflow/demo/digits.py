@@ -1,13 +1,23 @@
 """The demo's workload, also used by the examples: scikit-learn's bundled digits, a
-small CNN with dropout, its loss and accuracy, and the data order of every epoch."""
+small CNN with dropout, its loss and accuracy, and the data order of every epoch; for
+the pipelined examples, a residual MLP cut into segments."""
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["accuracy", "cross_entropy", "epoch_order", "load_digits_split", "make_model"]
+__all__ = [
+    "accuracy",
+    "cross_entropy",
+    "epoch_order",
+    "load_digits_split",
+    "make_model",
+    "make_pipeline_model",
+]
 
 
 def load_digits_split(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -58,3 +68,32 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     acc = (model(x).argmax(1) == y).float().mean().item()
     model.train()
     return acc
+
+
+class ResidualBlock(nn.Module):
+    """x + MLP(LayerNorm(x)), with dropout: one segment of the pipelined model."""
+
+    def __init__(self, width: int, dropout: float) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.dropout(self.down(F.gelu(self.up(self.norm(x)))))
+
+
+def make_pipeline_model(
+    seed: int, width: int = 128, blocks: int = 4, dropout: float = 0.1
+) -> nn.Sequential:
+    """The digits as a residual MLP of ``blocks`` blocks, as segments a pipeline cuts
+    between: ``embed`` (8x8 image to ``width``), ``block0``..., ``head`` (10 classes).
+    Built the same on every process from ``seed``, whatever the grid."""
+    torch.manual_seed(seed)
+    layers: list[tuple[str, nn.Module]] = [
+        ("embed", nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.GELU(), nn.Dropout(dropout)))
+    ]
+    layers += [(f"block{k}", ResidualBlock(width, dropout)) for k in range(blocks)]
+    layers.append(("head", nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 10))))
+    return nn.Sequential(OrderedDict(layers))

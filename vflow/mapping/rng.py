@@ -17,6 +17,9 @@ _MASK64 = (1 << 64) - 1
 TRAIN_STREAM = 0
 INFER_STREAM = 1
 DATA_STREAM = 2  # the generator handed to a VN's vn_transform
+# Segment k of a pipelined model draws from stream SEGMENT_STREAMS + k (Note [Segment
+# streams], vflow/pipeline/streams.py); far above the others so that they never meet.
+SEGMENT_STREAMS = 1 << 32
 
 
 def _splitmix64(x: int) -> int:

@@ -11,8 +11,9 @@ set (``set_world``) touches only the last two.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -174,10 +175,18 @@ class GradStore:
         """Runs ``loss.backward()`` and adds ``weight`` x its gradients to the buffers.
         With ``last`` (this worker's last VN of the step) the buckets' reductions start
         while backward runs."""
+        with self.capture(weight, last, placement):
+            loss.backward()
+
+    @contextlib.contextmanager
+    def capture(self, weight: float, last: bool, placement: VNPlacement) -> Iterator[None]:
+        """Adds ``weight`` x the gradients of the backward passes run inside to the
+        buffers, as one VN's (``backward``'s core, for a backward someone else runs: a
+        pipeline stage's)."""
         # The reducer takes gradients from begin_vn to end_vn (Note [Capturing gradients]).
         self.reducer.begin_vn(weight, last, placement.level, placement.merges)
         try:
-            loss.backward()
+            yield
         except BaseException as e:
             self.reducer.abort_vn()
             failure = self.reducer.comm_failure

@@ -1,0 +1,771 @@
+"""``vflow.PipelineExecutor``: virtual nodes over pipeline replicas.
+
+Note [VNs as microbatches]
+A job of R replicas x S stages (Note [The grid]) runs a global batch of B samples as
+V VNs. The plan (vflow.Plan over the *replicas*) gives replica r its ``counts[r]``
+consecutive VNs, and the replica runs them as the microbatches of one schedule
+(GPipe or 1F1B, torch.distributed.pipelining's), microbatch i being its i-th VN. Each
+stage folds every VN's gradients into its own flat buffers (Note [Capturing a stage's
+gradients]); the buffers of one stage are reduced across the R replicas holding it by
+the same Reducer and reduction strategies as ``vflow.Executor`` (bucketed, started
+during the last VN's backward), so in deterministic mode a stage's gradient is the
+fixed tree sum over VN indices, the same bits for any R and any S. Then every stage
+steps its own optimizer once.
+
+The loss runs on the last stage. Each VN's loss is multiplied by its weight before
+its backward (``n_i / B`` for a mean loss, 1 for ``(sum, num_items)``), so no other
+stage needs to know the loss's kind; after the schedule one all-reduce over the whole
+grid carries every VN's loss and item count to every process, each in its own slot
+(so the sums are exact in any order), and the buffers are divided once by the global
+item count for summed losses. With S = 1 the replica runs its VNs one after another
+without torch.distributed.pipelining (what the single-process reference is) and with
+the same arithmetic.
+
+Halving the replicas doubles the microbatches per replica: the step takes about
+(2M + S - 1) / (M + S - 1) times as long, for half the processes (the bubble is
+(S - 1) / (M + S - 1) of a schedule); memory per process does not change with M
+under 1F1B (at most S - stage microbatches in flight).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from vflow.mapping import rng
+from vflow.mapping.plan import Plan, VNSlice
+from vflow.planning.profile import VNProfile, WorkerProfile
+from vflow.pipeline import state as pipeline_state
+from vflow.pipeline.grid import ProcessGrid
+from vflow.pipeline.spec import SCHEDULES, Pipeline, segments, stage_bounds
+from vflow.pipeline.stage import VNStage
+from vflow.pipeline.streams import SegmentStreams
+from vflow.runtime import losses, training_state
+from vflow.runtime.config import ExecutorConfig
+from vflow.runtime.grad_store import GradStore, trainable_params
+from vflow.runtime.module_buffers import BufferRule
+from vflow.runtime.reduction import for_kind
+from vflow.runtime.results import PhaseTimings, StepResult
+from vflow.world import membership
+from vflow.world.group import World, check_plan, to_timedelta
+
+LossFn = Callable[[Any, Any], Any]
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+_log = logging.getLogger("vflow")
+
+
+class PipelineExecutor:
+    """Trains ``model`` cut into ``pipeline.stages`` stages, over the replicas of
+    ``grid``, with the global batch split into ``virtual_nodes`` VNs.
+
+    Args:
+        model: a ``torch.nn.Sequential`` whose children are the segments the stages
+            are cut from (Note [Segments and stages]), the same on every process, on
+            this process's device. The executor keeps this process's stage
+            (``stage_module``, a Sequential of those children under their own names)
+            and moves the other segments to the meta device, freeing their memory.
+        optimizer: ``optimizer(params) -> torch.optim.Optimizer`` builds the optimizer
+            of this stage's trainable parameters (each stage steps its own).
+        loss_fn: ``loss_fn(output, target)`` on the last segment's output for one VN:
+            its mean loss (a scalar tensor) or ``(loss_sum, num_items)``, as for
+            ``vflow.Executor`` (docs/design.md, "Loss normalisation"). It runs on the
+            last stage only; other stages may pass None.
+        virtual_nodes: V, the number of VNs (= microbatches over all replicas).
+        seed: seeds the segments' random streams (Note [Segment streams]).
+        pipeline: a ``vflow.Pipeline`` (stages, schedule, split), or the stage count.
+        grid: the processes and their roles (``vflow.pipeline.ProcessGrid.of``);
+            default: every process of the default group, or this process alone when
+            torch.distributed is not initialised (then ``pipeline.stages`` must be 1).
+        plan: VNs per replica (``vflow.Plan`` over the replicas); default even.
+        deterministic: as for ``vflow.Executor``: True/"ordered" or "exact" make the
+            parameters and optimizer state bitwise the same for any replica count, any
+            stage count and any plan (docs/reproducibility.md).
+        accumulate_dtype, buffer_rule, skip_nonfinite, timeout, bucket_cap_mb,
+        first_bucket_mb: as for ``vflow.Executor``.
+
+    Every process of a fresh grid constructs its executor together; the replicas of
+    each stage start from replica 0's parameters. A process constructing its executor
+    on a grid whose other replicas are training (they call ``reconfigure``) joins it
+    and receives its stage's training state from them.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: OptimizerFactory,
+        loss_fn: LossFn | None,
+        virtual_nodes: int,
+        seed: int = 0,
+        *,
+        pipeline: Pipeline | int = 1,
+        grid: ProcessGrid | None = None,
+        plan: Plan | None = None,
+        deterministic: bool | str = False,
+        accumulate_dtype: torch.dtype = torch.float32,
+        buffer_rule: str = "vn0",
+        skip_nonfinite: bool | None = None,
+        timeout: float | datetime.timedelta = 600.0,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_mb: float = 1.0,
+    ) -> None:
+        named_segments = segments(model)
+        if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+            raise TypeError(
+                "optimizer must be a function params -> torch.optim.Optimizer (each stage "
+                f"builds its own), got {type(optimizer).__name__}"
+            )
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
+        if isinstance(pipeline, int) and not isinstance(pipeline, bool):
+            pipeline = Pipeline(pipeline)
+        if not isinstance(pipeline, Pipeline):
+            raise TypeError(
+                f"pipeline must be a vflow.Pipeline or a stage count, got {type(pipeline).__name__}"
+            )
+        config = ExecutorConfig.from_arguments(
+            virtual_nodes=virtual_nodes,
+            seed=seed,
+            amp=None,
+            accumulate_dtype=accumulate_dtype,
+            loss_scale=False,
+            skip_nonfinite=skip_nonfinite,
+            buffer_rule=buffer_rule,
+            max_grad_norm=None,
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_mb=first_bucket_mb,
+            broadcast_parameters=True,
+            deterministic=deterministic,
+            prefetch=False,
+            timeout=timeout,
+            has_fp16_params=False,
+        )
+        if grid is None:
+            grid = ProcessGrid.of(pipeline.stages, timeout=config.timeout)
+        self._check_grid(grid, pipeline)
+        plan = self._checked_plan(plan, config.virtual_nodes, grid, pipeline)
+        bounds = stage_bounds([name for name, _ in named_segments], pipeline)
+        first, stop = bounds[grid.stage]
+        if grid.is_last and loss_fn is None:
+            raise ValueError(
+                f"loss_fn is None on the process holding the last stage (stage {grid.stage}, "
+                f"replica {grid.replica}): the loss runs there"
+            )
+        stage_module = torch.nn.Sequential(collections.OrderedDict(named_segments[first:stop]))
+        stage_optimizer = optimizer(
+            [p for p in stage_module.parameters() if p.requires_grad]
+        )
+        if not isinstance(stage_optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer(params) must return a torch.optim.Optimizer, got "
+                f"{type(stage_optimizer).__name__}"
+            )
+        params = trainable_params(stage_module, stage_optimizer)
+        reduction = for_kind(config.deterministic)
+        reduction.check_support(params, config.accumulate_dtype, config.virtual_nodes)
+        prepared = reduction.prepare_world(plan, grid.replica)
+
+        self.config = config
+        self.pipeline = pipeline
+        self.loss_fn = loss_fn
+        self.model = model
+        self.stage_module = stage_module
+        self.optimizer = stage_optimizer
+        self.step_count = 0
+        self.skipped_steps = 0
+        self._bounds = bounds
+        self._segment_names = [name for name, _ in named_segments]
+        self._params = params
+        self._device = params[0].device
+        self._generators = rng.generators([self._device])
+        self._grid = grid
+        self._plan = plan
+        self._grads = GradStore(
+            stage_module,
+            params,
+            config.accumulate_dtype,
+            reduction,
+            first_bucket_bytes=config.first_bucket_bytes,
+            bucket_cap_bytes=config.bucket_cap_bytes,
+            process_group=grid.replica_group,
+            timeout_s=config.timeout.total_seconds(),
+            description=self._replicas_world(grid).description,
+        )
+        self._streams: SegmentStreams | None = None
+        try:
+            reduction.apply_world(prepared)
+            self._join(grid, plan, newcomer=True)
+        except BaseException:
+            self._grads.close()
+            raise
+        self._streams = SegmentStreams(
+            [(first + k, module) for k, (_, module) in enumerate(named_segments[first:stop])],
+            self._generators,
+        )
+        self._buffers = BufferRule(
+            stage_module, config.buffer_rule, config.virtual_nodes if config.deterministic else None
+        )
+        self._run: _StepRun | None = None
+        self._stage: VNStage | None = None
+        self._schedules: dict[int, Any] = {}
+        self._last_result: StepResult | None = None
+        self._release_other_segments(named_segments, first, stop)
+
+    # ---- settings and grid ---------------------------------------------------------
+
+    @property
+    def virtual_nodes(self) -> int:
+        return self.config.virtual_nodes
+
+    @property
+    def seed(self) -> int:
+        return self.config.seed
+
+    @property
+    def deterministic(self) -> bool | str:
+        return self.config.deterministic
+
+    @property
+    def grid(self) -> ProcessGrid:
+        return self._grid
+
+    @property
+    def plan(self) -> Plan:
+        return self._plan
+
+    @property
+    def stage_segments(self) -> list[str]:
+        """The names of the segments this process holds."""
+        first, stop = self._bounds[self._grid.stage]
+        return self._segment_names[first:stop]
+
+    @property
+    def reducer(self) -> Any:
+        """This stage's C++ Reducer (``vflow._C.Reducer``)."""
+        return self._grads.reducer
+
+    @staticmethod
+    def _check_grid(grid: object, pipeline: Pipeline) -> None:
+        if not isinstance(grid, ProcessGrid):
+            raise TypeError(
+                f"grid must be a vflow.pipeline.ProcessGrid or None, got {type(grid).__name__}"
+            )
+        if not grid.member:
+            raise ValueError("grid does not include this process (ProcessGrid.member is False)")
+        if grid.stages != pipeline.stages:
+            raise ValueError(
+                f"grid has {grid.stages} stages per replica but pipeline.stages is "
+                f"{pipeline.stages}"
+            )
+
+    @staticmethod
+    def _checked_plan(
+        plan: Plan | None, virtual_nodes: int, grid: ProcessGrid, pipeline: Pipeline
+    ) -> Plan:
+        if plan is None:
+            if grid.replicas > virtual_nodes:
+                raise ValueError(
+                    f"the grid has {grid.replicas} replicas but virtual_nodes={virtual_nodes}: "
+                    "every replica needs at least one VN"
+                )
+            plan = Plan.even(virtual_nodes, grid.replicas)
+        plan = check_plan(plan, virtual_nodes, grid.replicas)
+        if plan.sizes is not None:
+            raise ValueError(
+                "a pipelined executor takes a counts plan (Plan(counts=...)): every "
+                "microbatch of a schedule must have the same shape"
+            )
+        pipeline.check_microbatches(plan.counts)
+        return plan
+
+    def _replicas_world(self, grid: ProcessGrid) -> World:
+        return World(grid.replica_group, self.config.timeout)
+
+    def _grid_world(self) -> World:
+        return World(self._grid.group, self.config.timeout)
+
+    def _columns(self, plan: Plan) -> list[membership.Column]:
+        """What every process of a grid must share (Note [Agreement])."""
+        layout = repr(
+            (
+                [(n, tuple(p.shape), str(p.dtype)) for n, p in self.stage_module.named_parameters()],
+                [(n, tuple(b.shape), str(b.dtype)) for n, b in self.stage_module.named_buffers()],
+            )
+        )
+        return [
+            membership.Column("plan", repr(plan), repr(plan)),
+            membership.Column("pipeline", repr(self.pipeline), repr(self.pipeline)),
+            membership.Column("stage cut", repr(self._bounds), f"stage bounds {self._bounds}"),
+            membership.Column("segments", repr(self._segment_names), "the model's children"),
+            membership.Column("stage layout", layout, "this stage's parameter and buffer shapes"),
+            membership.Column(
+                "optimizer", type(self.optimizer).__qualname__, type(self.optimizer).__qualname__
+            ),
+            *(
+                membership.Column(f"settings ({name})", value, f"{name}={value}")
+                for name, value in self.config.agreed_fields()
+            ),
+        ]
+
+    def _join(self, grid: ProcessGrid, plan: Plan, *, newcomer: bool) -> None:
+        """The stage's replicas agree and newcomers receive the stage's state (Note
+        [Joining a worker set], vflow/world/membership.py); the whole grid agrees on
+        what every stage shares first."""
+        shared = [c for c in self._columns(plan) if c.name != "stage layout"]
+        membership.check_agreement(World(grid.group, self.config.timeout), shared)
+        progress = training_state.Progress(self.step_count, self.skipped_steps, self.seed)
+        membership.join(
+            self._replicas_world(grid),
+            self._columns(plan),
+            membership.Candidate(
+                member=not newcomer, step_count=self.step_count, progress=repr(progress)
+            ),
+            state=self._local_state,
+            load_state=self._load_received_state,
+            fresh_start=lambda: self._replicas_world(grid).broadcast_from(
+                0,
+                [*self._params, *self.stage_module.buffers()],
+                "broadcast of replica 0's stage parameters",
+                None,
+            ),
+        )
+
+    def _release_other_segments(
+        self, named: list[tuple[str, torch.nn.Module]], first: int, stop: int
+    ) -> None:
+        for k, (_, module) in enumerate(named):
+            if not first <= k < stop:
+                module.to("meta")
+
+    def set_plan(self, plan: Plan) -> None:
+        """Runs the following steps with ``plan`` (VNs per replica). A collective of
+        the grid: every process calls it between the same two steps with the same
+        plan (checked; on a mismatch every process raises and keeps its plan)."""
+        self._check_open()
+        plan = self._checked_plan(plan, self.virtual_nodes, self._grid, self.pipeline)
+        prepared = self._grads.reduction.prepare_world(plan, self._grid.replica)
+        membership.check_agreement(
+            self._grid_world(), [membership.Column("plan", repr(plan), repr(plan))]
+        )
+        self._grads.reduction.apply_world(prepared)
+        self._plan = plan
+
+    def reconfigure(self, grid: ProcessGrid, plan: Plan | None = None) -> None:
+        """Moves to another grid between steps, at replica granularity: the same
+        stages, more or fewer replicas (``plan``: default even). A collective of the
+        new grid: every process of it calls this, except the processes new to the job,
+        which construct their executor on ``grid`` and receive their stage's training
+        state from a replica that has it, bit for bit. Processes that leave just stop
+        (every process of the default group still builds the grid: ProcessGrid.of).
+        Any error leaves the executor on its old grid."""
+        self._check_open()
+        self._check_grid(grid, self.pipeline)
+        plan = self._checked_plan(plan, self.virtual_nodes, grid, self.pipeline)
+        prepared = self._grads.reduction.prepare_world(plan, grid.replica)
+        self._join(grid, plan, newcomer=False)
+        world = self._replicas_world(grid)
+        self._grads.set_world(
+            grid.replica_group, self.config.timeout.total_seconds(), world.description, prepared
+        )
+        self._grid = grid
+        self._plan = plan
+        self._stage = None
+        self._schedules = {}
+        self._last_result = None
+
+    # ---- training ------------------------------------------------------------------
+
+    def step(
+        self,
+        inputs: torch.Tensor | None,
+        targets: Any,
+        *,
+        global_batch_size: int | None = None,
+    ) -> StepResult:
+        """Runs one global step on the global batch: ``inputs`` (what the first segment
+        takes, B samples along dim 0) on the first stage, ``targets`` (what
+        ``loss_fn`` takes, B along dim 0) on the last; a process that does not hold
+        them may pass None, with ``global_batch_size=B`` when it holds neither.
+
+        On an error before the optimizer step the parameters, buffers, optimizer and
+        step count stay as they were.
+        """
+        self._check_open()
+        grid = self._grid
+        batch_size = self._batch_size(inputs, targets, global_batch_size)
+        slices = self._plan.worker_slices(grid.replica, batch_size)
+        if grid.stages > 1 and len({s.size for s in slices}) > 1:
+            raise ValueError(
+                f"a global batch of {batch_size} samples does not split into "
+                f"virtual_nodes={self.virtual_nodes} VNs of one size; a pipeline's microbatches "
+                "must all have the same shape (make B a multiple of V)"
+            )
+        if grid.is_first and inputs is None:
+            raise ValueError(f"inputs is None on stage 0 (replica {grid.replica}): it runs them")
+        if grid.is_last and targets is None:
+            raise ValueError(
+                f"targets is None on the last stage (stage {grid.stage}, replica "
+                f"{grid.replica}): loss_fn takes them"
+            )
+        lo, hi = slices[0].start, slices[-1].start + slices[-1].size
+        assert self._streams is not None
+        run = _StepRun(self, slices, batch_size)
+        start = time.perf_counter()
+        self._grads.begin_step(self.step_count)
+        self._streams.begin_step(self.seed, self.step_count)
+        buffers = self._buffers if self._buffers.has_buffers else None
+        if buffers is not None:
+            buffers.begin_step()
+        self._run = run
+        try:
+            with rng.preserved_rng(self._generators), record_function("vflow::pipeline_step"):
+                mine_in = None if inputs is None or not grid.is_first else inputs[lo:hi]
+                mine_target = None if targets is None or not grid.is_last else targets[lo:hi]
+                if grid.stages == 1:
+                    run.sequential(mine_in, mine_target)
+                else:
+                    self._schedule(len(slices)).step(
+                        *(() if mine_in is None else (mine_in,)),
+                        target=mine_target,
+                        return_outputs=False,
+                    )
+            after_vns = time.perf_counter()
+            run.reduce()
+            if buffers is not None and grid.replicas > 1:
+                buffers.reduce(self._replicas_world(grid), self.virtual_nodes, self.step_count)
+            after_reduce = time.perf_counter()
+            if run.skipped:
+                self._grads.clear()
+                self.skipped_steps += 1
+                _log.warning(
+                    "vflow step %d: inf/NaN in the gradients, optimizer step skipped",
+                    self.step_count,
+                )
+            else:
+                self._grads.publish()
+                self.optimizer.step()
+        except BaseException:
+            if buffers is not None:
+                buffers.abort()
+            self._grads.clear()
+            raise
+        finally:
+            self._streams.end_step()
+            self._run = None
+        if buffers is not None:
+            buffers.commit()
+        end = time.perf_counter()
+        result = run.result(start, after_vns, after_reduce, end)
+        self._last_result = result
+        self.step_count += 1
+        return result
+
+    def _batch_size(self, inputs: Any, targets: Any, global_batch_size: int | None) -> int:
+        sizes = {
+            name: value.shape[0]
+            for name, value in (("inputs", inputs), ("targets", targets))
+            if isinstance(value, torch.Tensor) and value.dim() > 0
+        }
+        if global_batch_size is not None:
+            if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int):
+                raise TypeError(
+                    f"global_batch_size must be an int, got {type(global_batch_size).__name__}"
+                )
+            sizes["global_batch_size"] = global_batch_size
+        if not sizes:
+            raise ValueError(
+                "step needs the batch size: pass inputs or targets (tensors, samples along "
+                "dim 0), or global_batch_size"
+            )
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"inputs, targets and global_batch_size disagree on B: {sizes}")
+        batch_size = next(iter(sizes.values()))
+        if batch_size < self.virtual_nodes:
+            raise ValueError(
+                f"the global batch has {batch_size} samples but virtual_nodes="
+                f"{self.virtual_nodes}: every VN needs at least one"
+            )
+        return batch_size
+
+    def _schedule(self, microbatches: int) -> Any:
+        if self._stage is None:
+            grid = self._grid
+            assert grid.stage_group is not None
+            self._stage = VNStage(
+                self.stage_module, grid.stage, grid.stages, self._device, grid.stage_group, self
+            )
+            self._schedules = {}
+        schedule = self._schedules.get(microbatches)
+        if schedule is None:
+            schedule = SCHEDULES[self.pipeline.schedule](
+                self._stage, microbatches, loss_fn=self._vn_loss, scale_grads=False
+            )
+            self._schedules[microbatches] = schedule
+        return schedule
+
+    # The StageListener of VNStage (Note [Capturing a stage's gradients]).
+
+    def forward_begins(self, microbatch: int) -> None:
+        assert self._run is not None and self._streams is not None
+        self._streams.begin_vn(self._run.slices[microbatch].vn)
+        self._run.mark(microbatch, 0)
+
+    def forward_ends(self, microbatch: int) -> None:
+        assert self._run is not None
+        self._run.mark(microbatch, 1)
+        self._run.loss_position = microbatch
+        if self._buffers.has_buffers:
+            self._buffers.end_vn(self._run.slices[microbatch].vn)
+
+    @contextlib.contextmanager
+    def backward(self, microbatch: int) -> Iterator[None]:
+        assert self._run is not None
+        run = self._run
+        run.mark(microbatch, 2)
+        last = microbatch == len(run.slices) - 1
+        with self._grads.capture(1.0, last, self._grads.reduction.placement(microbatch)):
+            yield
+        run.mark(microbatch, 3)
+
+    def _vn_loss(self, output: Any, target: Any) -> torch.Tensor:
+        """The schedule's loss function on the last stage: the VN's weighted loss
+        (Note [VNs as microbatches])."""
+        assert self.loss_fn is not None
+        run = self._run
+        if run is None or run.loss_position is None:
+            # Shape inference on placeholders (Note [Capturing a stage's gradients]).
+            out = self.loss_fn(output, target)
+            return out[0] if isinstance(out, tuple) else out
+        position, run.loss_position = run.loss_position, None
+        return run.weighted_loss(position, self.loss_fn(output, target))
+
+    # ---- training state --------------------------------------------------------------
+
+    def _local_state(self) -> dict[str, Any]:
+        """This stage's training state (what a newcomer replica of it receives)."""
+        return training_state.build(
+            training_state.Target(self.stage_module, self.optimizer, None, self.virtual_nodes),
+            training_state.Progress(self.step_count, self.skipped_steps, self.seed),
+            bool(self.deterministic),
+            self._grid.replicas,
+            list(self._plan.counts),
+        )
+
+    def _load_local_state(self, state: dict[str, Any], *, assign: bool = False) -> None:
+        target = training_state.Target(self.stage_module, self.optimizer, None, self.virtual_nodes)
+        progress = training_state.load(target, state, assign=assign)
+        self.step_count = progress.step_count
+        self.skipped_steps = progress.skipped_steps
+        self.config = self.config.with_seed(progress.seed)
+
+    def _load_received_state(self, state: object) -> Callable[[], None]:
+        if not isinstance(state, dict):
+            raise ValueError(f"the members sent a {type(state).__name__}, not a training state")
+        before = training_state.copy_to_cpu(self._local_state())
+        self._load_local_state(state)
+        return lambda: self._load_local_state(before, assign=True)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The whole model's training state, gathered from every stage: the model's
+        state dict under the names of the unsplit model, the optimizer state by
+        parameter name, step counts and seed (vflow.pipeline.state). A collective of
+        the grid; the state is returned on every process. It loads on any grid with
+        the same V (``load_state_dict``), and into ``stages=1`` on one process."""
+        self._check_open()
+        mine = pipeline_state.stage_part(
+            self.stage_module, self.optimizer, self._grid.stage
+        ) if self._grid.replica == 0 else None
+        parts = pipeline_state.gather(self._grid_world(), mine, self._grid.stages)
+        return pipeline_state.assemble(
+            parts,
+            virtual_nodes=self.virtual_nodes,
+            seed=self.seed,
+            step_count=self.step_count,
+            skipped_steps=self.skipped_steps,
+            deterministic=bool(self.deterministic),
+            optimizer_class=type(self.optimizer),
+            written_by={
+                "replicas": self._grid.replicas,
+                "stages": self._grid.stages,
+                "plan_counts": list(self._plan.counts),
+            },
+        )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores this stage's part of ``state`` (from ``state_dict`` on any grid, or
+        ``vflow.pipeline.load``). Every process of the grid loads the same state;
+        each raises before changing anything when it does not fit its stage."""
+        self._check_open()
+        local = pipeline_state.stage_state(
+            state, self.stage_module, self.optimizer, self._local_state()
+        )
+        self._load_local_state(local)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def last_result(self) -> StepResult | None:
+        return self._last_result
+
+    @property
+    def closed(self) -> bool:
+        return getattr(self, "_grads", None) is None
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this PipelineExecutor is closed")
+
+    def close(self) -> None:
+        """Removes vflow's hooks from the stage's modules."""
+        grads = getattr(self, "_grads", None)
+        if grads is None:
+            return
+        grads.close()
+        self._grads = None  # type: ignore[assignment]
+        streams = getattr(self, "_streams", None)
+        if streams is not None:
+            streams.remove()
+
+    def __enter__(self) -> PipelineExecutor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class _StepRun:
+    """One step's bookkeeping on one process: the VNs' losses (last stage), times."""
+
+    def __init__(self, executor: PipelineExecutor, slices: list[VNSlice], total: int) -> None:
+        self.executor = executor
+        self.slices = slices
+        self.total = total
+        self.loss_position: int | None = None
+        self.kind: losses.LossKind | None = None
+        self.vn_losses: dict[int, float] = {}
+        self.vn_items: dict[int, float] = {}
+        self.times = [[0.0, 0.0, 0.0, 0.0] for _ in slices]
+        self.loss = math.nan
+        self.num_items: int | float = 0
+        self.skipped = False
+        self.wait_s = 0.0
+
+    def mark(self, position: int, point: int) -> None:
+        self.times[position][point] = time.perf_counter()
+
+    def weighted_loss(self, position: int, out: Any) -> torch.Tensor:
+        vn, size = self.slices[position].vn, self.slices[position].size
+        parsed = losses.parse(out, vn)
+        if self.kind is None:
+            self.kind = parsed.kind
+        elif parsed.kind != self.kind:
+            losses.check_same_kind(parsed.kind, self.kind, vn, self.slices[0].vn)
+        weight = size / self.total if parsed.kind == "mean" else 1.0
+        value = float(parsed.loss.detach())
+        self.vn_losses[vn] = value * weight if parsed.kind == "mean" else value
+        self.vn_items[vn] = float(parsed.items)
+        return parsed.loss if weight == 1.0 else parsed.loss * weight
+
+    def sequential(self, inputs: Any, targets: Any) -> None:
+        """S = 1: the replica's VNs one after another (the single-process reference)."""
+        ex = self.executor
+        assert ex.loss_fn is not None
+        for position, vn_slice in enumerate(self.slices):
+            lo = vn_slice.start - self.slices[0].start
+            hi = lo + vn_slice.size
+            ex.forward_begins(position)
+            with record_function("vflow::forward"):
+                output = ex.stage_module(inputs[lo:hi])
+            ex.forward_ends(position)
+            self.loss_position = None
+            loss = self.weighted_loss(position, ex.loss_fn(output, targets[lo:hi]))
+            with ex.backward(position), record_function("vflow::backward"):
+                loss.backward()
+
+    def reduce(self) -> None:
+        """Every VN's loss to every process, the global normalisation, the inf/NaN
+        verdict of all stages."""
+        ex = self.executor
+        virtual_nodes = ex.virtual_nodes
+        row = torch.zeros(2 * virtual_nodes + 2, dtype=torch.float64)
+        for vn, value in self.vn_losses.items():
+            row[vn] = value
+            row[virtual_nodes + vn] = self.vn_items[vn]
+        if self.kind is not None:
+            row[2 * virtual_nodes + (0 if self.kind == "mean" else 1)] = len(self.vn_losses)
+        waited = time.perf_counter()
+        ex._grid_world().sum([row], "all-reduce of the VN losses", ex.step_count)
+        self.wait_s = time.perf_counter() - waited
+        means, sums = int(row[2 * virtual_nodes]), int(row[2 * virtual_nodes + 1])
+        if means and sums:
+            raise ValueError(
+                f"loss_fn returned mean losses for {means} VNs and (sum, num_items) for "
+                f"{sums}; every VN must return the same kind"
+            )
+        values = row.tolist()
+        loss_total = sum(values[:virtual_nodes])  # VN order: the same bits on any grid
+        if sums:
+            items_total = sum(values[virtual_nodes : 2 * virtual_nodes])
+            losses.check_item_total(items_total)
+            self.num_items = items_total
+            self.loss = loss_total / items_total
+            factor = 1.0 / items_total
+        else:
+            self.num_items = self.total
+            self.loss = loss_total
+            factor = 1.0
+        check = ex.config.skip_nonfinite or bool(ex.deterministic)
+        found = ex._grads.finish(factor, check)
+        if check and ex.grid.size > 1:
+            flag = torch.tensor([float(found)], dtype=torch.float64)
+            ex._grid_world().sum([flag], "all-reduce of the inf/NaN verdict", ex.step_count)
+            found = bool(flag.item())
+        if found and bool(ex.deterministic) and not ex.config.skip_nonfinite:
+            raise FloatingPointError(
+                f"vflow step {ex.step_count}: a gradient of the global batch is inf or NaN, "
+                "or its sum does not fit float32; nothing was changed. Pass "
+                "skip_nonfinite=True to skip such steps instead"
+            )
+        self.skipped = found
+
+    def result(self, start: float, after_vns: float, after_reduce: float, end: float) -> StepResult:
+        ex = self.executor
+        vns = tuple(
+            VNProfile(s.vn, s.size, t[1] - t[0], t[3] - t[2])
+            for s, t in zip(self.slices, self.times, strict=True)
+        )
+        wait = self.wait_s + ex._grads.last_wait_seconds
+        profile = WorkerProfile(
+            ex.grid.rank,
+            ex.step_count,
+            vns,
+            sum(v.forward_s + v.backward_s for v in vns),
+            wait,
+            end - after_reduce,
+            end - start,
+        )
+        timings = PhaseTimings(after_vns - start, after_reduce - after_vns, end - after_reduce, wait)
+        return StepResult(
+            self.loss,
+            self.num_items,
+            ex.step_count,
+            self.skipped,
+            None,
+            None,
+            timings,
+            lambda: profile,
+        )
+
