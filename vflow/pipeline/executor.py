@@ -43,12 +43,12 @@ from torch.profiler import record_function
 
 from vflow.mapping import rng
 from vflow.mapping.plan import Plan, VNSlice
-from vflow.planning.profile import VNProfile, WorkerProfile
 from vflow.pipeline import state as pipeline_state
 from vflow.pipeline.grid import ProcessGrid
 from vflow.pipeline.spec import SCHEDULES, Pipeline, segments, stage_bounds
 from vflow.pipeline.stage import VNStage
 from vflow.pipeline.streams import SegmentStreams
+from vflow.planning.profile import VNProfile, WorkerProfile
 from vflow.runtime import losses, training_state
 from vflow.runtime.config import ExecutorConfig
 from vflow.runtime.grad_store import GradStore, trainable_params
@@ -56,7 +56,7 @@ from vflow.runtime.module_buffers import BufferRule
 from vflow.runtime.reduction import for_kind
 from vflow.runtime.results import PhaseTimings, StepResult
 from vflow.world import membership
-from vflow.world.group import World, check_plan, to_timedelta
+from vflow.world.group import World, check_plan
 
 LossFn = Callable[[Any, Any], Any]
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -161,9 +161,7 @@ class PipelineExecutor:
                 f"replica {grid.replica}): the loss runs there"
             )
         stage_module = torch.nn.Sequential(collections.OrderedDict(named_segments[first:stop]))
-        stage_optimizer = optimizer(
-            [p for p in stage_module.parameters() if p.requires_grad]
-        )
+        stage_optimizer = optimizer([p for p in stage_module.parameters() if p.requires_grad])
         if not isinstance(stage_optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer(params) must return a torch.optim.Optimizer, got "
@@ -297,7 +295,10 @@ class PipelineExecutor:
         """What every process of a grid must share (Note [Agreement])."""
         layout = repr(
             (
-                [(n, tuple(p.shape), str(p.dtype)) for n, p in self.stage_module.named_parameters()],
+                [
+                    (n, tuple(p.shape), str(p.dtype))
+                    for n, p in self.stage_module.named_parameters()
+                ],
                 [(n, tuple(b.shape), str(b.dtype)) for n, b in self.stage_module.named_buffers()],
             )
         )
@@ -581,9 +582,11 @@ class PipelineExecutor:
         the grid; the state is returned on every process. It loads on any grid with
         the same V (``load_state_dict``), and into ``stages=1`` on one process."""
         self._check_open()
-        mine = pipeline_state.stage_part(
-            self.stage_module, self.optimizer, self._grid.stage
-        ) if self._grid.replica == 0 else None
+        mine = (
+            pipeline_state.stage_part(self.stage_module, self.optimizer, self._grid.stage)
+            if self._grid.replica == 0
+            else None
+        )
         parts = pipeline_state.gather(self._grid_world(), mine, self._grid.stages)
         return pipeline_state.assemble(
             parts,
@@ -757,7 +760,9 @@ class _StepRun:
             end - after_reduce,
             end - start,
         )
-        timings = PhaseTimings(after_vns - start, after_reduce - after_vns, end - after_reduce, wait)
+        timings = PhaseTimings(
+            after_vns - start, after_reduce - after_vns, end - after_reduce, wait
+        )
         return StepResult(
             self.loss,
             self.num_items,
@@ -768,4 +773,3 @@ class _StepRun:
             timings,
             lambda: profile,
         )
-

@@ -92,8 +92,7 @@ def stage_bounds(names: Sequence[str], pipeline: Pipeline) -> list[tuple[int, in
         for k, name in enumerate(pipeline.split):
             if name not in position:
                 raise ValueError(
-                    f"split[{k}]={name!r} is not a child of model; its children are "
-                    f"{list(names)}"
+                    f"split[{k}]={name!r} is not a child of model; its children are {list(names)}"
                 )
             if position[name] <= starts[-1]:
                 after = "the first child" if k == 0 else f"split[{k - 1}]={pipeline.split[k - 1]!r}"

@@ -86,6 +86,7 @@ def _buffers_kept(module: torch.nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
+        # Through .data: shape inference's backward comes later and must not see a
+        # tracked in-place write to what the forward saved.
+        for buffer, value in saved:
+            buffer.data.copy_(value)

@@ -60,7 +60,10 @@ def stage_part(
         "model": stage_module.state_dict(),
         "optimizer_state": {names[i]: value for i, value in saved["state"].items()},
         "param_groups": [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": [names[i] for i in group["params"]]}
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": [names[i] for i in group["params"]],
+            }
             for group in saved["param_groups"]
         ],
     }
@@ -142,7 +145,9 @@ def stage_state(
             f"expected {FORMAT!r} (from PipelineExecutor.state_dict() or vflow.pipeline.save)"
         )
     if state.get("version") != VERSION:
-        raise ValueError(f"state['version'] is {state.get('version')!r}; this vflow reads {VERSION}")
+        raise ValueError(
+            f"state['version'] is {state.get('version')!r}; this vflow reads {VERSION}"
+        )
     missing = [key for key in _REQUIRED if key not in state]
     if missing:
         raise ValueError(f"pipeline state lacks the key(s) {missing}")

@@ -18,6 +18,8 @@ which this does not provide.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from vflow.mapping import rng
@@ -42,7 +44,7 @@ class SegmentStreams:
         self._seed = 0
         self._step = 0
 
-    def _hook(self, index: int):  # noqa: ANN202 - a forward pre-hook
+    def _hook(self, index: int) -> Callable[[torch.nn.Module, object], None]:
         def reseed(module: torch.nn.Module, args: object) -> None:
             # No VN yet: shape inference before the step's first VN (its draws are
             # thrown away with the rest of that pass).

@@ -97,7 +97,10 @@ class BufferRule:
         module, name = self._slots[k]
         if module._buffers[name] is not self._start[k]:
             module._buffers[name] = self._start[k]
-        self._start[k].copy_(self._snapshot[k])
+        # Through .data, which autograd does not version: in a pipeline a VN's backward
+        # runs after the next VN's forward, and BatchNorm saved its running statistics
+        # for it (training-mode backward reads the batch's statistics, not these).
+        self._start[k].data.copy_(self._snapshot[k])
 
     @torch.no_grad()
     def reduce(self, world: World, virtual_nodes: int, step: int) -> None:

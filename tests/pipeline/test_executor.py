@@ -1,0 +1,232 @@
+"""PipelineExecutor on one process (stages=1, the reference every grid must match):
+the step's gradient is the global batch's, for mean losses and for (sum, num_items)
+losses with padding; dropout draws from the segments' streams; bad input is refused
+before anything changes; the training state round-trips."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import vflow
+from vflow.mapping import rng
+
+V = 4
+B = 16
+
+
+def _model(seed: int = 0, dropout: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(6, 16),
+        nn.Sequential(nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 16)),
+        nn.Sequential(nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 3)),
+    )
+
+
+def _batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, 6, generator=g), torch.randint(0, 3, (B,), generator=g)
+
+
+def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1.0)
+
+
+def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def _mean_ce(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output, target)
+
+
+def _executor(model: nn.Sequential, optimizer: Any = _sgd, **kwargs: Any) -> vflow.PipelineExecutor:
+    kwargs.setdefault("virtual_nodes", V)
+    return vflow.PipelineExecutor(model, optimizer, kwargs.pop("loss_fn", _mean_ce), **kwargs)
+
+
+def _expected_step(loss_of_batch: Any) -> dict[str, torch.Tensor]:
+    """One SGD step (lr 1) on the gradient of the whole batch's loss, by plain torch."""
+    model = _model()
+    loss_of_batch(model).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= p.grad
+    return model.state_dict()
+
+
+def test_the_step_follows_the_gradient_of_the_global_batch_mean_loss() -> None:
+    x, y = _batch()
+    want = _expected_step(lambda m: F.cross_entropy(m(x), y))
+    with _executor(_model()) as ex:
+        result = ex.step(x, y)
+        got = ex.stage_module.state_dict()
+    assert result.num_items == B and result.step == 0
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(result.loss), F.cross_entropy(_model()(x), y).detach(), rtol=1e-6, atol=0
+    )
+
+
+def test_summed_losses_are_normalised_by_the_global_item_count() -> None:
+    x, y = _batch()
+    y = y.clone()
+    y[:5] = -100  # padding: all of VN 0's first samples and one of VN 1's
+    want = _expected_step(lambda m: F.cross_entropy(m(x), y, ignore_index=-100))
+
+    def summed(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = F.cross_entropy(output, target, ignore_index=-100, reduction="sum")
+        return loss, (target != -100).sum()
+
+    with _executor(_model(), loss_fn=summed) as ex:
+        result = ex.step(x, y)
+        got = ex.stage_module.state_dict()
+    assert result.num_items == B - 5
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_draws_from_the_segment_streams_and_leaves_the_callers_rng_alone() -> None:
+    x, y = _batch()
+
+    def trained(seed: int) -> dict[str, torch.Tensor]:
+        with _executor(_model(dropout=0.5), _adamw, seed=seed) as ex:
+            torch.manual_seed(123)
+            for _ in range(2):
+                ex.step(x, y)
+            after = torch.rand(3)
+            torch.manual_seed(123)
+            assert torch.equal(after, torch.rand(3)), "the step moved the caller's generator"
+            return copy.deepcopy(ex.stage_module.state_dict())
+
+    first, again, other = trained(7), trained(7), trained(8)
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert not all(torch.equal(first[k], other[k]) for k in first)
+
+
+def test_each_segment_of_each_vn_reseeds_with_its_own_stream() -> None:
+    seen: list[tuple[int, torch.Tensor]] = []
+    x, y = _batch()
+    with _executor(_model(), seed=3) as ex:
+        for k, segment in enumerate(ex.stage_module):  # after the executor's own hooks
+            segment.register_forward_pre_hook(
+                lambda module, args, k=k: seen.append((k, torch.default_generator.get_state()))
+            )
+        ex.step(x, y)
+    assert len(seen) == V * 3
+    for position, (k, state) in enumerate(seen):
+        vn = position // 3
+        expected = torch.Generator().manual_seed(rng.vn_seed(3, 0, vn, rng.SEGMENT_STREAMS + k))
+        assert torch.equal(state, expected.get_state()), (vn, k)
+
+
+def _unchanged(ex: vflow.PipelineExecutor, before: dict[str, torch.Tensor]) -> None:
+    after = ex.stage_module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert ex.step_count == 0 and ex.optimizer.state_dict()["state"] == {}
+    assert all(p.grad is None for p in ex.stage_module.parameters())
+
+
+def test_a_failing_step_changes_nothing_and_the_next_one_works() -> None:
+    x, y = _batch()
+    calls = []
+
+    def failing_on_vn_2(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("loss failed")
+        return F.cross_entropy(output, target)
+
+    with _executor(_model(), _adamw, loss_fn=failing_on_vn_2) as ex:
+        before = copy.deepcopy(ex.stage_module.state_dict())
+        with pytest.raises(RuntimeError, match="loss failed"):
+            ex.step(x, y)
+        _unchanged(ex, before)
+        with pytest.raises(ValueError, match="inputs, targets and global_batch_size disagree"):
+            ex.step(x, y[:8])
+        with pytest.raises(ValueError, match="every VN needs at least one"):
+            ex.step(x[:3], y[:3])
+        with pytest.raises(ValueError, match="targets is None on the last stage"):
+            ex.step(x, None)
+        _unchanged(ex, before)
+        ex.step(x, y)
+        assert ex.step_count == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"optimizer": torch.optim.SGD}, None, None),
+        ({"loss_fn": None}, ValueError, "loss_fn is None on the process holding the last stage"),
+        ({"pipeline": 2}, ValueError, "stages=2 needs 2 processes"),
+        ({"pipeline": "2"}, TypeError, "pipeline must be a vflow.Pipeline or a stage count"),
+        ({"plan": vflow.Plan([2, 2])}, ValueError, "plan"),
+        ({"plan": vflow.Plan(sizes=[[4, 4, 4, 4]])}, ValueError, "takes a counts plan"),
+        ({"virtual_nodes": 0}, ValueError, "virtual_nodes must be"),
+    ],
+)
+def test_bad_arguments_are_refused_before_the_model_changes(
+    kwargs: dict, error: type | None, message: str | None
+) -> None:
+    model = _model()
+    before = copy.deepcopy(model.state_dict())
+    if error is None:  # an optimizer class builds one: it is a factory of params
+        with _executor(model, **kwargs) as ex:
+            assert isinstance(ex.optimizer, torch.optim.SGD)
+        return
+    with pytest.raises(error, match=message):
+        _executor(model, **kwargs)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) and after[k].device.type == "cpu" for k in before)
+
+
+def test_an_optimizer_instance_is_refused_since_each_stage_builds_its_own() -> None:
+    model = _model()
+    with pytest.raises(TypeError, match="optimizer must be a function params"):
+        _executor(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_the_state_resumes_bit_for_bit() -> None:
+    batches = [_batch(seed) for seed in range(4)]
+
+    def run(resume_at: int | None) -> dict[str, torch.Tensor]:
+        ex = _executor(_model(dropout=0.2), _adamw, seed=5, deterministic=True)
+        for step, (x, y) in enumerate(batches):
+            if step == resume_at:
+                state = copy.deepcopy(ex.state_dict())
+                ex.close()
+                ex = _executor(_model(seed=9, dropout=0.2), _adamw, deterministic=True)
+                ex.load_state_dict(state)
+                assert (ex.step_count, ex.seed) == (resume_at, 5)
+            ex.step(x, y)
+        state = ex.state_dict()
+        ex.close()
+        return {
+            **state["model"],
+            **{f"opt.{k}": v["exp_avg"] for k, v in state["optimizer"]["state"].items()},
+        }
+
+    straight, resumed = run(None), run(2)
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_a_state_of_another_model_is_refused_before_anything_changes() -> None:
+    with _executor(_model(), _adamw) as ex:
+        state = ex.state_dict()
+    wider = nn.Sequential(nn.Linear(6, 16), nn.Sequential(nn.Tanh(), nn.Linear(16, 3)))
+    with _executor(wider, _adamw) as other:
+        before = copy.deepcopy(other.stage_module.state_dict())
+        with pytest.raises(ValueError, match="model"):
+            other.load_state_dict(state)
+        with pytest.raises(ValueError, match="not a vflow pipeline state"):
+            other.load_state_dict({"format": "vflow.executor"})
+        after = other.stage_module.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
