@@ -10,9 +10,9 @@ May import: vflow.mapping, vflow.planning, vflow.world and vflow.runtime. Never 
 elastic room: both drive executors, neither drives the other.
 """
 
+from vflow.pipeline.checkpoint import load, save
 from vflow.pipeline.executor import PipelineExecutor
 from vflow.pipeline.grid import ProcessGrid
 from vflow.pipeline.spec import Pipeline
-from vflow.pipeline.state import load, save
 
 __all__ = ["Pipeline", "PipelineExecutor", "ProcessGrid", "load", "save"]

@@ -15,8 +15,6 @@ gathered state holds the same bits as the stages.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -26,7 +24,6 @@ import torch
 from vflow.world import membership
 
 if TYPE_CHECKING:
-    from vflow.pipeline.executor import PipelineExecutor
     from vflow.world.group import World
 
 FORMAT = "vflow.pipeline"
@@ -203,31 +200,3 @@ def stage_state(
         "optimizer": {"state": optimizer_state, "param_groups": param_groups},
         "optimizer_class": state["optimizer_class"],
     }
-
-
-def save(path: str | os.PathLike[str], ex: PipelineExecutor) -> None:
-    """Writes the job's state to ``path`` from the grid's first process, atomically
-    (a crash leaves the old file or the new one). A collective of the grid."""
-    state = ex.state_dict()
-    if ex.grid.rank != 0:
-        return
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".vflow-pipeline-")
-    try:
-        with os.fdopen(handle, "wb") as file:
-            torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
-
-
-def load(path: str | os.PathLike[str], ex: PipelineExecutor) -> None:
-    """Loads the state in ``path`` (from ``save`` on any grid) into ``ex``'s stage;
-    every process of the grid calls it."""
-    state = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
-    ex.load_state_dict(state)

@@ -1,0 +1,40 @@
+"""The job's training state in a file: ``vflow.pipeline.save`` writes what
+``PipelineExecutor.state_dict`` gathers (Note [A state for every grid]), and
+``vflow.pipeline.load`` loads it into any grid's executors."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+from vflow.pipeline.executor import PipelineExecutor
+
+
+def save(path: str | os.PathLike[str], ex: PipelineExecutor) -> None:
+    """Writes the job's state to ``path`` from the grid's first process, atomically
+    (a crash leaves the old file or the new one). A collective of the grid."""
+    state = ex.state_dict()
+    if ex.grid.rank != 0:
+        return
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".vflow-pipeline-")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+def load(path: str | os.PathLike[str], ex: PipelineExecutor) -> None:
+    """Loads the state in ``path`` (from ``save`` on any grid) into ``ex``'s stage;
+    every process of the grid calls it."""
+    state = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
+    ex.load_state_dict(state)
