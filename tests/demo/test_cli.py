@@ -8,8 +8,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
-from vflow.demo import cli, elastic_scenario, mappings
+from vflow.demo import cli, elastic_scenario, mappings, pipeline_row
 
 
 def test_bad_arguments_are_reported_by_name(capsys) -> None:
@@ -47,6 +48,18 @@ def _fake_outcome(name: str, workers: int) -> mappings.Outcome:
     return outcome
 
 
+def _fake_pipeline(settings: dict[str, Any], offset: float = 0.0) -> list[pipeline_row.Outcome]:
+    """The row's three runs; the last one's parameter is off by ``offset``."""
+    last = len(pipeline_row.GRIDS) - 1
+    return [
+        pipeline_row.Outcome(
+            stages, replicas, 0.01, 0.001, 10.0, [1.0],
+            {"w": torch.zeros(2) + (offset if k == last else 0.0)},
+        )
+        for k, (stages, replicas) in enumerate(pipeline_row.GRIDS)
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize(("elastic_ok", "status"), [(True, 0), (False, 1), (None, 0)])
 def test_the_demo_runs_the_scenario_last_and_fails_with_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, elastic_ok: bool | None, status: int
@@ -55,6 +68,7 @@ def test_the_demo_runs_the_scenario_last_and_fails_with_it(
     monkeypatch.setattr(
         cli, "run_together", lambda runs, *_: [_fake_outcome(r.name, r.workers) for r in runs]
     )
+    monkeypatch.setattr(pipeline_row, "run", _fake_pipeline)
 
     def fake_run(settings: dict[str, Any], data: Any, out: Path) -> bool:
         assert (out / "results.json").exists()  # the other runs are written first
@@ -78,3 +92,31 @@ def test_the_scenario_needs_three_virtual_nodes(capsys: pytest.CaptureFixture[st
         cli.main(["--virtual-nodes", "2", "--batch-size", "8"])
     assert info.value.code == 2
     assert "needs --virtual-nodes >= 3 (or --no-elastic)" in capsys.readouterr().err
+
+
+def test_pipeline_runs_that_differ_fail_the_demo(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(
+        cli, "run_together", lambda runs, *_: [_fake_outcome(r.name, r.workers) for r in runs]
+    )
+    monkeypatch.setattr(pipeline_row, "run", lambda settings: _fake_pipeline(settings, 1.0))
+    argv = [
+        "--epochs",
+        "1",
+        "--mappings",
+        "1",
+        "--no-baseline",
+        "--no-elastic",
+        "--out",
+        str(tmp_path),
+    ]
+    assert cli.main(argv) == 1
+    assert "pipeline: the runs DIFFER" in capsys.readouterr().out
+
+
+def test_the_pipeline_row_needs_a_v_that_divides_b(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--virtual-nodes", "3", "--batch-size", "9", "--no-elastic"])
+    assert info.value.code == 2
+    assert "the pipeline row needs a V >= 4 that divides B=9" in capsys.readouterr().err

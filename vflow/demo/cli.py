@@ -3,10 +3,12 @@
 A small CNN on scikit-learn's bundled digits, trained with the same global batch B and
 V virtual nodes under several mappings onto real Gloo worker processes (vflow.demo.
 mappings), beside the data-parallel baseline; then the heterogeneous row (vflow.demo.
-heterogeneous) and the elastic scenario (vflow.demo.elastic_scenario). It shows a
+heterogeneous), the pipeline row (vflow.demo.pipeline_row) and the elastic scenario
+(vflow.demo.elastic_scenario). It shows a
 progress bar, prints the tables, writes loss_curves.png, results.json, elastic.png and
 elastic.json, and exits with status 1 if the vflow runs do not end bitwise identical
-(the heterogeneous runs included), or the elastic job not with the fixed-hardware run's.
+(the heterogeneous runs included), the pipeline runs not with each other, or the
+elastic job not with the fixed-hardware run's.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import vflow
 from vflow.bench.table import format_table
-from vflow.demo import elastic_scenario, heterogeneous, plots
+from vflow.demo import elastic_scenario, heterogeneous, pipeline_row, plots
 from vflow.demo.digits import load_digits_split
 from vflow.demo.mappings import (
     Run,
@@ -36,7 +38,8 @@ DESCRIPTION = (
     "(deterministic mode: the runs end bitwise identical), beside data parallelism "
     "without virtual nodes, whose global batch grows with the worker count, and on 2 "
     "workers of which one is emulated at half speed, with the even plan and with "
-    'plan="auto" (same bits, higher throughput). Then an '
+    'plan="auto" (same bits, higher throughput). Then a residual MLP cut into 2 '
+    "pipeline stages, on 2 replicas and on 1 (half the processes, same bits). Then an "
     "elastic job (vflow.elastic) with the same settings: one worker grows to three, one "
     "is killed with SIGKILL mid-step, another joins, and the job ends bitwise equal to "
     "the fixed-hardware run. Prints tables and writes loss_curves.png, results.json, "
@@ -86,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
         'plan="auto" (they need V >= 2)',
     )
     parser.add_argument(
+        "--no-pipeline",
+        action="store_true",
+        help="skip the pipeline row (vflow/demo/pipeline_row.py: 2 stages on 2 replicas and on "
+        "1, beside 1 process; its V is the largest divisor of B up to --virtual-nodes)",
+    )
+    parser.add_argument(
         "--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default: 0.05)"
     )
     parser.add_argument(
@@ -133,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
             f"the elastic scenario grows to {elastic_scenario.WORKERS} workers: it needs "
             f"--virtual-nodes >= {elastic_scenario.WORKERS} (or --no-elastic)"
         )
+    if not args.no_pipeline:
+        try:
+            pipeline_row.virtual_nodes_for(args.batch_size, args.virtual_nodes)
+        except ValueError as exc:
+            parser.error(f"{exc} (or --no-pipeline)")
     try:
         mappings = [
             plan_counts(spec, args.virtual_nodes)
@@ -223,6 +237,47 @@ def main(argv: list[str] | None = None) -> int:
             f"difference to the first run up to {worst:.2e})"
         )
 
+    pipeline_ok = True
+    pipeline_record = None
+    if not args.no_pipeline:
+        pipeline_v = pipeline_row.virtual_nodes_for(args.batch_size, args.virtual_nodes)
+        pipeline_settings = settings | {
+            "batch_size": args.batch_size,
+            "virtual_nodes": pipeline_v,
+            "steps": args.epochs * (len(data[1]) // args.batch_size),
+        }
+        print(
+            f"\npipeline row: B={args.batch_size}, V={pipeline_v}, "
+            f"{pipeline_settings['steps']} steps, AdamW(lr={pipeline_row.LR}), "
+            "deterministic=True",
+            flush=True,
+        )
+        pipelined = pipeline_row.run(pipeline_settings)
+        pipeline_ok = pipeline_row.identical(pipelined)
+        print(pipeline_row.table(pipelined, pipeline_v))
+        print(
+            "pipeline: the 3 runs end with bitwise-identical parameters and loss curves"
+            if pipeline_ok
+            else "pipeline: the runs DIFFER (expected bitwise-identical results)"
+        )
+        pipeline_record = {
+            "virtual_nodes": pipeline_v,
+            "identical": pipeline_ok,
+            "runs": [
+                {
+                    "stages": o.stages,
+                    "replicas": o.replicas,
+                    "step_seconds": o.step_seconds,
+                    "predicted_step_seconds": pipeline_row.predicted_step_seconds(
+                        o, pipelined[0], pipeline_v
+                    ),
+                    "peak_mib": o.peak_mib,
+                    "losses": o.losses,
+                }
+                for o in pipelined
+            ],
+        }
+
     args.out.mkdir(parents=True, exist_ok=True)
     png = args.out / "loss_curves.png"
     plots.loss_curves(
@@ -234,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "settings": settings | {"batch_size": args.batch_size, "baseline_batch": baseline_batch},
         "vflow_identical": identical and same_losses,
+        "pipeline": pipeline_record,
         "runs": [
             {
                 **asdict(o.run),
@@ -252,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     (args.out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {png} and {args.out / 'results.json'}")
-    ok = identical and same_losses
+    ok = identical and same_losses and pipeline_ok
     if not args.no_elastic:
         ok = elastic_scenario.run(settings | {"batch_size": args.batch_size}, data, args.out) and ok
     return 0 if ok else 1
