@@ -107,6 +107,19 @@ def _reference(loss_fn: Any = _mean_ce, deterministic: Any = True) -> dict[str, 
 # ---- the scenarios, on every rank of 4 -------------------------------------------------
 
 
+def _profiles(ex: vflow.PipelineExecutor) -> dict[str, Any]:
+    """The last step's profile on this process: its VNs and the bubble (time in the
+    schedule not spent computing its VNs)."""
+    result = ex.last_result
+    assert result is not None
+    profile = result.profile
+    return {
+        "vns": [v.vn for v in profile.vns],
+        "timed": all(v.forward_s > 0 and v.backward_s > 0 for v in profile.vns),
+        "bubble_s": result.timings.forward_backward - profile.compute_s,
+    }
+
+
 def _fixed_grids(rank: int, world_size: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, stages, kwargs in (
@@ -124,7 +137,8 @@ def _fixed_grids(rank: int, world_size: int) -> dict[str, Any]:
     ):
         ex = _executor(ProcessGrid.of(stages), stages, **kwargs)
         losses = _train(ex, range(STEPS))
-        results[name] = {"state": _finish(ex), "losses": losses}
+        profile = _profiles(ex)
+        results[name] = {"state": _finish(ex), "losses": losses, "profile": profile}
     return results
 
 
@@ -172,6 +186,18 @@ def _refused(rank: int, world_size: int) -> list[str]:
         with pytest.raises(ValueError) as caught:
             attempt()
         errors.append(str(caught.value))
+    # A batch whose VNs differ in size cannot be a schedule's microbatches: refused
+    # before anything changes, and the next step runs.
+    ex = _executor(ProcessGrid.of(2), 2, deterministic=True)
+    before = {k: v.clone() for k, v in ex.stage_module.state_dict().items()}
+    x, y = _batches()[0]
+    with pytest.raises(ValueError) as caught:
+        ex.step(x[:22], y[:22])
+    errors.append(str(caught.value))
+    after = ex.stage_module.state_dict()
+    assert ex.step_count == 0 and all(torch.equal(before[k], after[k]) for k in before)
+    ex.step(x, y)
+    ex.close()
     return errors
 
 
@@ -205,6 +231,14 @@ def test_every_grid_trains_the_single_process_model() -> None:
         assert all(r[name]["losses"] == outcome["losses"] for r in results), name
         assert all(r[name]["state"]["step_count"] == STEPS for r in results), name
 
+    # Per-VN, per-stage profiles: each process times the VNs of its replica.
+    for rank, by_grid in enumerate(results):
+        profile = by_grid["2x2 1F1B"]["profile"]
+        assert profile["vns"] == ([0, 1, 2] if rank < 2 else [3, 4, 5]) and profile["timed"]
+        assert by_grid["1x4"]["profile"]["vns"] == list(range(V))
+        # Stage 3 of 4 waits for the 3 stages before it: the bubble is visible there.
+        assert by_grid["1x4"]["profile"]["bubble_s"] > 0
+
 
 def test_replicas_leave_and_come_back_and_checkpoints_move_between_grids(tmp_path: Path) -> None:
     checkpoint = str(tmp_path / "step1.pt")
@@ -231,7 +265,8 @@ def test_replicas_leave_and_come_back_and_checkpoints_move_between_grids(tmp_pat
 def test_bad_grids_are_refused_on_every_process() -> None:
     results = [r.value for r in run_ranks(4, _refused, timeout=120)]
     assert all(r == results[0] for r in results)
-    grid, vns, stages = results[0]
+    grid, vns, stages, batch = results[0]
+    assert "a global batch of 22 samples does not split into virtual_nodes=6 VNs of one" in batch
     assert "stages=3 does not divide the grid's 4 processes" in grid
     assert 'schedule="1F1B" needs at least stages=2 VNs (microbatches) per replica' in vns
     assert "grid has 2 stages per replica but pipeline.stages is 4" in stages

@@ -39,7 +39,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
 from vflow.mapping import rng
 from vflow.mapping.plan import Plan, VNSlice
@@ -55,6 +54,7 @@ from vflow.runtime.grad_store import GradStore, trainable_params
 from vflow.runtime.module_buffers import BufferRule
 from vflow.runtime.reduction import for_kind
 from vflow.runtime.results import PhaseTimings, StepResult
+from vflow.runtime.step_run import profiled
 from vflow.world import membership
 from vflow.world.group import World, check_plan
 
@@ -404,7 +404,8 @@ class PipelineExecutor:
         grid = self._grid
         batch_size = self._batch_size(inputs, targets, global_batch_size)
         slices = self._plan.worker_slices(grid.replica, batch_size)
-        if grid.stages > 1 and len({s.size for s in slices}) > 1:
+        # Every VN, not only this replica's: every process must refuse the same batch.
+        if grid.stages > 1 and len(set(self._plan.vn_sizes(batch_size))) > 1:
             raise ValueError(
                 f"a global batch of {batch_size} samples does not split into "
                 f"virtual_nodes={self.virtual_nodes} VNs of one size; a pipeline's microbatches "
@@ -428,7 +429,10 @@ class PipelineExecutor:
             buffers.begin_step()
         self._run = run
         try:
-            with rng.preserved_rng(self._generators), record_function("vflow::pipeline_step"):
+            with (
+                rng.preserved_rng(self._generators),
+                profiled("vflow::pipeline_step", run.profiling),
+            ):
                 mine_in = None if inputs is None or not grid.is_first else inputs[lo:hi]
                 mine_target = None if targets is None or not grid.is_last else targets[lo:hi]
                 if grid.stages == 1:
@@ -665,6 +669,7 @@ class _StepRun:
         self.num_items: int | float = 0
         self.skipped = False
         self.wait_s = 0.0
+        self.profiling = torch.autograd._profiler_enabled()
 
     def mark(self, position: int, point: int) -> None:
         self.times[position][point] = time.perf_counter()
@@ -690,12 +695,12 @@ class _StepRun:
             lo = vn_slice.start - self.slices[0].start
             hi = lo + vn_slice.size
             ex.forward_begins(position)
-            with record_function("vflow::forward"):
+            with profiled("vflow::forward", self.profiling):
                 output = ex.stage_module(inputs[lo:hi])
             ex.forward_ends(position)
             self.loss_position = None
             loss = self.weighted_loss(position, ex.loss_fn(output, targets[lo:hi]))
-            with ex.backward(position), record_function("vflow::backward"):
+            with ex.backward(position), profiled("vflow::backward", self.profiling):
                 loss.backward()
 
     def reduce(self) -> None:

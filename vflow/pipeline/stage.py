@@ -26,6 +26,8 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.pipelining import PipelineStage
 
+from vflow.runtime.step_run import profiled
+
 
 class StageListener(Protocol):
     """What a stage reports to the step that drives it (vflow.pipeline.executor)."""
@@ -61,7 +63,8 @@ class VNStage(PipelineStage):
         save_forward_output: bool = True,
     ) -> Any:
         self._listener.forward_begins(fwd_chunk_id)
-        output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        with profiled("vflow::forward", torch.autograd._profiler_enabled()):
+            output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         self._listener.forward_ends(fwd_chunk_id)
         return output
 
@@ -72,7 +75,10 @@ class VNStage(PipelineStage):
         full_backward: bool = True,
         last_backward: bool = False,
     ) -> None:
-        with self._listener.backward(bwd_chunk_id):
+        with (
+            self._listener.backward(bwd_chunk_id),
+            profiled("vflow::backward", torch.autograd._profiler_enabled()),
+        ):
             super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
 
     def _compute_outputs(self, *args: torch.Tensor, module: torch.nn.Module, **kwargs: Any) -> Any:
