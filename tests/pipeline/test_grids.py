@@ -71,7 +71,7 @@ def _executor(grid: ProcessGrid | None, stages: int = 1, **kwargs: Any) -> vflow
         _model(kwargs.pop("model_seed", 0)),
         lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
         kwargs.pop("loss_fn", _mean_ce),
-        V,
+        kwargs.pop("virtual_nodes", V),
         seed=SEED,
         pipeline=vflow.Pipeline(stages, schedule=kwargs.pop("schedule", "1F1B")),
         grid=grid,
@@ -93,12 +93,24 @@ def _finish(ex: vflow.PipelineExecutor) -> dict[str, Any]:
 
 
 def _reference(loss_fn: Any = _mean_ce, deterministic: Any = True) -> dict[str, Any]:
+    return _reference_of(_batches(), loss_fn, deterministic)
+
+
+def _reference_of(
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Any = _mean_ce,
+    deterministic: Any = True,
+    virtual_nodes: int = V,
+) -> dict[str, Any]:
     """stages=1 on one process, one intra-op thread like the ranks."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ex = _executor(None, loss_fn=loss_fn, deterministic=deterministic)
-        _train(ex, range(STEPS))
+        ex = _executor(
+            None, loss_fn=loss_fn, deterministic=deterministic, virtual_nodes=virtual_nodes
+        )
+        for batch in batches:
+            ex.step(*batch)
         return _finish(ex)
     finally:
         torch.set_num_threads(threads)

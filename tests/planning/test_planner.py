@@ -173,3 +173,16 @@ def test_step_noise_ignores_a_drift_and_one_outlier() -> None:
     assert planner.step_noise_s(drifting) <= 1.01 * sigma  # a drift of 1 ms/step is not noise
     assert planner.step_noise_s(outlier) == pytest.approx(sigma)
     assert planner.step_noise_s(steady[:1]) == 0.0
+
+
+def test_counts_plans_can_require_a_minimum_of_vns_per_worker() -> None:
+    """A pipeline replica running 1F1B needs as many VNs as it has stages: with a worker
+    ten times slower, the best plan gives it the fewest VNs allowed."""
+    fast, slow = WorkerModel(1.0, 0.0), WorkerModel(10.0, 0.0)
+    assert plan_counts([fast, slow], 8, 64).plan == Plan(counts=[7, 1])
+    assert plan_counts([fast, slow], 8, 64, min_vns=2).plan == Plan(counts=[6, 2])
+    assert plan_counts([slow, fast, slow], 9, 9, min_vns=3).plan == Plan(counts=[3, 3, 3])
+    with pytest.raises(ValueError, match="min_vns=3 VNs each need more than virtual_nodes=8"):
+        plan_counts([fast, slow, fast], 8, 64, min_vns=3)
+    with pytest.raises(ValueError, match="min_vns must be an int >= 1"):
+        plan_counts([fast], 8, 64, min_vns=0)

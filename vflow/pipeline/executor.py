@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import datetime
 import logging
 import math
@@ -47,7 +48,8 @@ from vflow.pipeline.grid import ProcessGrid
 from vflow.pipeline.spec import SCHEDULES, Pipeline, segments, stage_bounds
 from vflow.pipeline.stage import VNStage
 from vflow.pipeline.streams import SegmentStreams
-from vflow.planning.profile import VNProfile, WorkerProfile
+from vflow.planning.auto_plan import AutoPlan, PlanChange
+from vflow.planning.profile import StepProfile, VNProfile, WorkerProfile
 from vflow.runtime import losses, training_state
 from vflow.runtime.config import ExecutorConfig
 from vflow.runtime.grad_store import GradStore, trainable_params
@@ -87,6 +89,8 @@ class PipelineExecutor:
             default: every process of the default group, or this process alone when
             torch.distributed is not initialised (then ``pipeline.stages`` must be 1).
         plan: VNs per replica (``vflow.Plan`` over the replicas); default even.
+            ``"auto"`` (or a ``vflow.AutoPlan``): start even, then move VNs between
+            replicas of different speeds (Note [Automatic plans for replicas]).
         deterministic: as for ``vflow.Executor``: True/"ordered" or "exact" make the
             parameters and optimizer state bitwise the same for any replica count, any
             stage count and any plan (docs/reproducibility.md).
@@ -109,7 +113,7 @@ class PipelineExecutor:
         *,
         pipeline: Pipeline | int = 1,
         grid: ProcessGrid | None = None,
-        plan: Plan | None = None,
+        plan: Plan | AutoPlan | str | None = None,
         deterministic: bool | str = False,
         accumulate_dtype: torch.dtype = torch.float32,
         buffer_rule: str = "vn0",
@@ -152,6 +156,15 @@ class PipelineExecutor:
         if grid is None:
             grid = ProcessGrid.of(pipeline.stages, timeout=config.timeout)
         self._check_grid(grid, pipeline)
+        auto = _auto_plan(plan)
+        if auto is not None:
+            if auto.kind != "counts":
+                raise ValueError(
+                    "plan=AutoPlan(kind='sizes') changes VN sizes, and a pipeline's microbatches "
+                    "share one shape; use kind='counts'"
+                )
+            auto.check(bool(config.deterministic), grid.replicas)
+            plan = None
         plan = self._checked_plan(plan, config.virtual_nodes, grid, pipeline)
         bounds = stage_bounds([name for name, _ in named_segments], pipeline)
         first, stop = bounds[grid.stage]
@@ -187,6 +200,9 @@ class PipelineExecutor:
         self._generators = rng.generators([self._device])
         self._grid = grid
         self._plan = plan
+        self._auto = auto
+        self._previous: _PreviousStep | None = None  # sent with the next step's losses
+        self._gathered_profile: StepProfile | None = None
         self._grads = GradStore(
             stage_module,
             params,
@@ -359,6 +375,25 @@ class PipelineExecutor:
         )
         self._grads.reduction.apply_world(prepared)
         self._plan = plan
+        self._restart_auto()
+
+    def _restart_auto(self) -> None:
+        """Profiles of the new plan or grid from now on."""
+        self._gathered_profile = None
+        self._previous = None
+        if self._auto is not None:
+            self._auto.reset()
+
+    @property
+    def plan_history(self) -> list[PlanChange]:
+        """The automatic plan's changes (``plan="auto"``), oldest first."""
+        return [] if self._auto is None else list(self._auto.history)
+
+    @property
+    def last_profile(self) -> StepProfile | None:
+        """Every replica's profile of the step before the last (Note [Automatic plans
+        for replicas]); None until there is one."""
+        return self._gathered_profile
 
     def reconfigure(self, grid: ProcessGrid, plan: Plan | None = None) -> None:
         """Moves to another grid between steps, at replica granularity: the same
@@ -372,6 +407,8 @@ class PipelineExecutor:
         self._check_grid(grid, self.pipeline)
         plan = self._checked_plan(plan, self.virtual_nodes, grid, self.pipeline)
         prepared = self._grads.reduction.prepare_world(plan, grid.replica)
+        if self._auto is not None:
+            self._auto.check(bool(self.deterministic), grid.replicas)
         self._join(grid, plan, newcomer=False)
         world = self._replicas_world(grid)
         self._grads.set_world(
@@ -382,6 +419,7 @@ class PipelineExecutor:
         self._stage = None
         self._schedules = {}
         self._last_result = None
+        self._restart_auto()
 
     # ---- training ------------------------------------------------------------------
 
@@ -471,8 +509,28 @@ class PipelineExecutor:
         end = time.perf_counter()
         result = run.result(start, after_vns, after_reduce, end)
         self._last_result = result
+        self._previous = _PreviousStep(
+            self._plan, batch_size, self.step_count, result.profile, result.timings.reduce_wait
+        )
+        self._gathered_profile = run.gathered_profile
         self.step_count += 1
+        if self._auto is not None and run.gathered_profile is not None:
+            self._follow_auto_plan(run.gathered_profile, batch_size)
         return result
+
+    def _follow_auto_plan(self, profile: StepProfile, batch_size: int) -> None:
+        """Note [Automatic plans for replicas]: every process decides the same from the
+        same profile, so the new plan needs no agreement round."""
+        assert self._auto is not None
+        new = self._auto.observe(
+            profile, self._plan, batch_size, self.step_count, self.pipeline.min_microbatches
+        )
+        if new is None:
+            return
+        self._grads.reduction.apply_world(
+            self._grads.reduction.prepare_world(new, self._grid.replica)
+        )
+        self._plan = new
 
     def _batch_size(self, inputs: Any, targets: Any, global_batch_size: int | None) -> int:
         sizes = {
@@ -670,6 +728,7 @@ class _StepRun:
         self.skipped = False
         self.wait_s = 0.0
         self.profiling = torch.autograd._profiler_enabled()
+        self.gathered_profile: StepProfile | None = None
 
     def mark(self, position: int, point: int) -> None:
         self.times[position][point] = time.perf_counter()
@@ -708,15 +767,22 @@ class _StepRun:
         verdict of all stages."""
         ex = self.executor
         virtual_nodes = ex.virtual_nodes
-        row = torch.zeros(2 * virtual_nodes + 2, dtype=torch.float64)
+        previous = ex._previous
+        layout = _ProfileLayout(virtual_nodes, ex.grid)
+        row = torch.zeros(2 * virtual_nodes + 2 + layout.size, dtype=torch.float64)
         for vn, value in self.vn_losses.items():
             row[vn] = value
             row[virtual_nodes + vn] = self.vn_items[vn]
         if self.kind is not None:
             row[2 * virtual_nodes + (0 if self.kind == "mean" else 1)] = len(self.vn_losses)
+        profile_row = row[2 * virtual_nodes + 2 :]
+        if previous is not None:
+            layout.encode(profile_row, previous)
         waited = time.perf_counter()
         ex._grid_world().sum([row], "all-reduce of the VN losses", ex.step_count)
         self.wait_s = time.perf_counter() - waited
+        if previous is not None:
+            self.gathered_profile = layout.decode(profile_row, previous)
         means, sums = int(row[2 * virtual_nodes]), int(row[2 * virtual_nodes + 1])
         if means and sums:
             raise ValueError(
@@ -778,3 +844,79 @@ class _StepRun:
             timings,
             lambda: profile,
         )
+
+
+# Note [Automatic plans for replicas]
+# With plan="auto" the planner of vflow.Executor (Note [Automatic plans],
+# vflow/planning/auto_plan.py) balances VNs across *replicas*. A replica's speed is its
+# slowest stage's: a VN's time in the replica's profile is the forward and backward of
+# the stage that took longest on it, its step time the longest of its stages'. Each
+# process writes its last step's VN times, step time and exposed communication into
+# slots of its own in the next step's losses all-reduce (so no collective is added),
+# every process reads the same replica profiles back and decides the same plan. A
+# plan never leaves a replica fewer VNs than 1F1B needs (one per stage). The profiles
+# do not model the pipeline's own bubble, (S - 1) slots per replica: it is part of
+# what the planner sees as the step's fixed time.
+
+
+@dataclasses.dataclass(frozen=True)
+class _PreviousStep:
+    """What this process knows of its last step, sent with the next one's losses."""
+
+    plan: Plan
+    batch_size: int
+    step: int
+    profile: WorkerProfile
+    exposed_s: float
+
+
+class _ProfileLayout:
+    """Note [Automatic plans for replicas]: where each process writes its last step's
+    VN times, step time and exposed communication in the losses' all-reduce (a slot per
+    process and VN, so the sum is exact), and the replicas' profiles read back."""
+
+    def __init__(self, virtual_nodes: int, grid: ProcessGrid) -> None:
+        self.virtual_nodes = virtual_nodes
+        self.grid = grid
+        self.per_vn = virtual_nodes * grid.stages
+        self.size = 2 * self.per_vn + 2 * grid.size
+
+    def encode(self, row: torch.Tensor, previous: _PreviousStep) -> None:
+        stage, stages = self.grid.stage, self.grid.stages
+        for vn in previous.profile.vns:
+            row[vn.vn * stages + stage] = vn.forward_s
+            row[self.per_vn + vn.vn * stages + stage] = vn.backward_s
+        row[2 * self.per_vn + self.grid.rank] = previous.profile.step_s
+        row[2 * self.per_vn + self.grid.size + self.grid.rank] = previous.exposed_s
+
+    def decode(self, row: torch.Tensor, previous: _PreviousStep) -> StepProfile:
+        values, stages = row.tolist(), self.grid.stages
+        sizes = previous.plan.vn_sizes(previous.batch_size)
+        replicas = []
+        for replica in range(self.grid.replicas):
+            vns = []
+            for vn in previous.plan.vns(replica):
+                times = [
+                    (values[vn * stages + s], values[self.per_vn + vn * stages + s])
+                    for s in range(stages)
+                ]
+                forward_s, backward_s = max(times, key=sum)  # the slowest stage sets the pace
+                vns.append(VNProfile(vn, sizes[vn], forward_s, backward_s))
+            ranks = range(replica * stages, (replica + 1) * stages)
+            step_s = max(values[2 * self.per_vn + r] for r in ranks)
+            exposed_s = max(values[2 * self.per_vn + self.grid.size + r] for r in ranks)
+            compute_s = sum(v.forward_s + v.backward_s for v in vns)
+            replicas.append(
+                WorkerProfile(replica, previous.step, tuple(vns), compute_s, exposed_s, 0.0, step_s)
+            )
+        return StepProfile(previous.step, tuple(replicas))
+
+
+def _auto_plan(plan: object) -> AutoPlan | None:
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise ValueError(
+                f"plan must be a vflow.Plan, 'auto', a vflow.AutoPlan or None, got {plan!r}"
+            )
+        return AutoPlan()
+    return plan if isinstance(plan, AutoPlan) else None

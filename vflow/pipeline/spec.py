@@ -51,9 +51,13 @@ class Pipeline:
                 )
             object.__setattr__(self, "split", tuple(split))
 
+    @property
+    def min_microbatches(self) -> int:
+        """The fewest microbatches (VNs) a replica may run: 1F1B needs one per stage."""
+        return self.stages if self.schedule == "1F1B" else 1
+
     def check_microbatches(self, counts: Sequence[int]) -> None:
-        """1F1B needs at least as many microbatches (VNs) per replica as stages."""
-        if self.schedule == "1F1B" and min(counts) < self.stages:
+        if min(counts) < self.min_microbatches:
             raise ValueError(
                 f'schedule="1F1B" needs at least stages={self.stages} VNs (microbatches) per '
                 f"replica; the plan gives {list(counts)}. Give each replica more VNs, or use "

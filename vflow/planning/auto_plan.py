@@ -233,6 +233,7 @@ class AutoPlan:
         self._planned = False
         self._seen_first = False
         self._settling = False
+        self._min_vns = 1  # what observe's caller requires of every plan
         # Each worker's compute that the model predicts for the current plan.
         self._predicted_compute: tuple[float, ...] | None = None
         self._drifting = 0
@@ -290,10 +291,17 @@ class AutoPlan:
         return self.patience * self._backoff
 
     def observe(
-        self, profile: StepProfile, plan: Plan, batch_size: int, next_step: int
+        self,
+        profile: StepProfile,
+        plan: Plan,
+        batch_size: int,
+        next_step: int,
+        min_vns: int = 1,
     ) -> Plan | None:
         """Takes every worker's profile of a step; returns the plan to run from
-        ``next_step`` on, or None to keep ``plan``."""
+        ``next_step`` on, or None to keep ``plan``. Plans give every worker at least
+        ``min_vns`` VNs."""
+        self._min_vns = min_vns
         if not _ran(profile, plan, batch_size):
             return None
         if not self._seen_first:
@@ -355,8 +363,10 @@ class AutoPlan:
         models = planner.models_from_profiles(profiles, self.max_vn_size)
         fixed = planner.fixed_step_s(profiles)
         current = planner.predict(plan, models, batch_size, fixed)
-        solve = planner.plan_counts if self.kind == "counts" else planner.plan_sizes
-        best = solve(models, plan.virtual_nodes, batch_size, fixed)
+        if self.kind == "counts":
+            best = planner.plan_counts(models, plan.virtual_nodes, batch_size, fixed, self._min_vns)
+        else:
+            best = planner.plan_sizes(models, plan.virtual_nodes, batch_size, fixed)
         # The standard error of the difference of two step times averaged over the
         # window: what comparing two plans measured for that long could not resolve.
         # The noise itself is measured on the last NOISE_WINDOW profiles (a drift's

@@ -170,10 +170,23 @@ def predict(
 
 
 def plan_counts(
-    models: Sequence[WorkerModel], virtual_nodes: int, batch_size: int, fixed_s: float = 0.0
+    models: Sequence[WorkerModel],
+    virtual_nodes: int,
+    batch_size: int,
+    fixed_s: float = 0.0,
+    min_vns: int = 1,
 ) -> Prediction:
-    """The counts plan with the smallest predicted step time (exact)."""
+    """The counts plan with the smallest predicted step time (exact) among those that
+    give every worker at least ``min_vns`` VNs (a pipeline replica running 1F1B needs as
+    many as it has stages)."""
     workers = _check_problem(models, virtual_nodes, batch_size)
+    if isinstance(min_vns, bool) or not isinstance(min_vns, int) or min_vns < 1:
+        raise ValueError(f"min_vns must be an int >= 1, got {min_vns!r}")
+    if workers * min_vns > virtual_nodes:
+        raise ValueError(
+            f"{workers} workers with at least min_vns={min_vns} VNs each need more than "
+            f"virtual_nodes={virtual_nodes}"
+        )
     sizes = split_sizes(batch_size, virtual_nodes)
     prefix = [0]
     for n in sizes:
@@ -185,8 +198,8 @@ def plan_counts(
     for w in range(1, workers + 1):
         model = models[w - 1]
         cap = model.max_vn_size
-        for j in range(w, virtual_nodes - (workers - w) + 1):
-            for i in range(w - 1, j):  # worker w-1 runs VNs i..j-1
+        for j in range(w * min_vns, virtual_nodes - (workers - w) * min_vns + 1):
+            for i in range((w - 1) * min_vns, j - min_vns + 1):  # worker w-1 runs VNs i..j-1
                 if best[w - 1][i] == _INF:
                     continue
                 if cap is not None and sizes[i] > cap:  # sizes fall along the batch
