@@ -77,7 +77,7 @@ def test_the_issue_flags_are_the_scripts() -> None:
         assert flag in text, flag
 
 
-def test_every_grid_writes_the_same_model(tmp_path: Path) -> None:
+def test_every_grid_writes_the_same_model_with_deterministic(tmp_path: Path) -> None:
     runs = {
         "4 processes, 2 stages": ((*TORCHRUN, "--nproc-per-node=4"), "2"),
         "2 processes, 2 stages": ((*TORCHRUN, "--nproc-per-node=2"), "2"),
@@ -95,6 +95,8 @@ def test_every_grid_writes_the_same_model(tmp_path: Path) -> None:
         for key in reference:
             assert torch.equal(model[key], reference[key]), f"{name}: {key} differs"
 
+
+def test_without_deterministic_the_grids_agree_to_1e_6(tmp_path: Path) -> None:
     default = _train(tmp_path, "default", (*TORCHRUN, "--nproc-per-node=4"), "--stages", "2")
     alone = _train(tmp_path, "default-alone", (sys.executable,), "--stages", "1")
     for key in alone:
