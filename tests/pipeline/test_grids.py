@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import time
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +199,11 @@ def _refused(rank: int, world_size: int) -> list[str]:
         with pytest.raises(ValueError) as caught:
             attempt()
         errors.append(str(caught.value))
+    # One process's refusal reaches the others at once, not after their timeout.
+    started = time.monotonic()
+    with pytest.raises(ValueError) as caught:
+        _executor(ProcessGrid.of(2), 2, loss_fn=None if rank % 2 else _mean_ce)
+    errors.append(str(caught.value) if time.monotonic() - started < 30 else "too late")
     # A batch whose VNs differ in size cannot be a schedule's microbatches: refused
     # before anything changes, and the next step runs.
     ex = _executor(ProcessGrid.of(2), 2, deterministic=True)
@@ -276,8 +282,16 @@ def test_replicas_leave_and_come_back_and_checkpoints_move_between_grids(tmp_pat
 
 def test_bad_grids_are_refused_on_every_process() -> None:
     results = [r.value for r in run_ranks(4, _refused, timeout=120)]
-    assert all(r == results[0] for r in results)
-    grid, vns, stages, batch = results[0]
+    assert all(r[:3] + r[4:] == results[0][:3] + results[0][4:] for r in results)
+    for rank, result in enumerate(results):
+        assert result[3] == (
+            "loss_fn is None on the process holding the last stage (stage 1, replica "
+            f"{rank // 2}): the loss runs there"
+            if rank % 2
+            else "process(es) [1, 3] of the grid refused their PipelineExecutor arguments "
+            "(their own errors say why); nothing was changed"
+        )
+    grid, vns, stages, _, batch = results[0]
     assert "a global batch of 22 samples does not split into virtual_nodes=6 VNs of one" in batch
     assert "stages=3 does not divide the grid's 4 processes" in grid
     assert 'schedule="1F1B" needs at least stages=2 VNs (microbatches) per replica' in vns

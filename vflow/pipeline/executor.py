@@ -37,7 +37,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -54,7 +54,7 @@ from vflow.runtime import losses, training_state
 from vflow.runtime.config import ExecutorConfig
 from vflow.runtime.grad_store import GradStore, trainable_params
 from vflow.runtime.module_buffers import BufferRule
-from vflow.runtime.reduction import for_kind
+from vflow.runtime.reduction import Reduction, for_kind
 from vflow.runtime.results import PhaseTimings, StepResult
 from vflow.runtime.step_run import profiled
 from vflow.world import membership
@@ -156,34 +156,17 @@ class PipelineExecutor:
         if grid is None:
             grid = ProcessGrid.of(pipeline.stages, timeout=config.timeout)
         self._check_grid(grid, pipeline)
-        auto = _auto_plan(plan)
-        if auto is not None:
-            if auto.kind != "counts":
-                raise ValueError(
-                    "plan=AutoPlan(kind='sizes') changes VN sizes, and a pipeline's microbatches "
-                    "share one shape; use kind='counts'"
-                )
-            auto.check(bool(config.deterministic), grid.replicas)
-            plan = None
-        plan = self._checked_plan(plan, config.virtual_nodes, grid, pipeline)
-        bounds = stage_bounds([name for name, _ in named_segments], pipeline)
+        checked: _CheckedStage = _together(
+            grid,
+            config,
+            lambda: self._stage_of(
+                named_segments, optimizer, loss_fn, plan, grid, pipeline, config
+            ),
+        )
+        auto, plan, bounds = checked.auto, checked.plan, checked.bounds
+        stage_module, stage_optimizer, params = checked.module, checked.optimizer, checked.params
+        reduction, prepared = checked.reduction, checked.prepared
         first, stop = bounds[grid.stage]
-        if grid.is_last and loss_fn is None:
-            raise ValueError(
-                f"loss_fn is None on the process holding the last stage (stage {grid.stage}, "
-                f"replica {grid.replica}): the loss runs there"
-            )
-        stage_module = torch.nn.Sequential(collections.OrderedDict(named_segments[first:stop]))
-        stage_optimizer = optimizer([p for p in stage_module.parameters() if p.requires_grad])
-        if not isinstance(stage_optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer(params) must return a torch.optim.Optimizer, got "
-                f"{type(stage_optimizer).__name__}"
-            )
-        params = trainable_params(stage_module, stage_optimizer)
-        reduction = for_kind(config.deterministic)
-        reduction.check_support(params, config.accumulate_dtype, config.virtual_nodes)
-        prepared = reduction.prepare_world(plan, grid.replica)
 
         self.config = config
         self.pipeline = pipeline
@@ -266,6 +249,50 @@ class PipelineExecutor:
     def reducer(self) -> Any:
         """This stage's C++ Reducer (``vflow._C.Reducer``)."""
         return self._grads.reducer
+
+    @staticmethod
+    def _stage_of(
+        named_segments: list[tuple[str, torch.nn.Module]],
+        optimizer: OptimizerFactory,
+        loss_fn: LossFn | None,
+        plan: Plan | AutoPlan | str | None,
+        grid: ProcessGrid,
+        pipeline: Pipeline,
+        config: ExecutorConfig,
+    ) -> _CheckedStage:
+        """This process's checked arguments and its stage: what the constructor checks
+        once the grid says which stage this process holds."""
+        auto = _auto_plan(plan)
+        if auto is not None:
+            if auto.kind != "counts":
+                raise ValueError(
+                    "plan=AutoPlan(kind='sizes') changes VN sizes, and a pipeline's microbatches "
+                    "share one shape; use kind='counts'"
+                )
+            auto.check(bool(config.deterministic), grid.replicas)
+            plan = None
+        checked = PipelineExecutor._checked_plan(plan, config.virtual_nodes, grid, pipeline)
+        bounds = stage_bounds([name for name, _ in named_segments], pipeline)
+        first, stop = bounds[grid.stage]
+        if grid.is_last and loss_fn is None:
+            raise ValueError(
+                f"loss_fn is None on the process holding the last stage (stage {grid.stage}, "
+                f"replica {grid.replica}): the loss runs there"
+            )
+        stage_module = torch.nn.Sequential(collections.OrderedDict(named_segments[first:stop]))
+        stage_optimizer = optimizer([p for p in stage_module.parameters() if p.requires_grad])
+        if not isinstance(stage_optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer(params) must return a torch.optim.Optimizer, got "
+                f"{type(stage_optimizer).__name__}"
+            )
+        params = trainable_params(stage_module, stage_optimizer)
+        reduction = for_kind(config.deterministic)
+        reduction.check_support(params, config.accumulate_dtype, config.virtual_nodes)
+        prepared = reduction.prepare_world(checked, grid.replica)
+        return _CheckedStage(
+            auto, checked, bounds, stage_module, stage_optimizer, params, reduction, prepared
+        )
 
     @staticmethod
     def _check_grid(grid: object, pipeline: Pipeline) -> None:
@@ -405,10 +432,15 @@ class PipelineExecutor:
         Any error leaves the executor on its old grid."""
         self._check_open()
         self._check_grid(grid, self.pipeline)
-        plan = self._checked_plan(plan, self.virtual_nodes, grid, self.pipeline)
-        prepared = self._grads.reduction.prepare_world(plan, grid.replica)
-        if self._auto is not None:
-            self._auto.check(bool(self.deterministic), grid.replicas)
+
+        def checked() -> tuple[Plan, object]:
+            new_plan = self._checked_plan(plan, self.virtual_nodes, grid, self.pipeline)
+            if self._auto is not None:
+                self._auto.check(bool(self.deterministic), grid.replicas)
+            return new_plan, self._grads.reduction.prepare_world(new_plan, grid.replica)
+
+        # The same collectives as a newcomer's constructor, in the same order.
+        plan, prepared = _together(grid, self.config, checked)
         self._join(grid, plan, newcomer=False)
         world = self._replicas_world(grid)
         self._grads.set_world(
@@ -920,3 +952,37 @@ def _auto_plan(plan: object) -> AutoPlan | None:
             )
         return AutoPlan()
     return plan if isinstance(plan, AutoPlan) else None
+
+
+class _CheckedStage(NamedTuple):
+    auto: AutoPlan | None
+    plan: Plan
+    bounds: list[tuple[int, int]]
+    module: torch.nn.Sequential
+    optimizer: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+    reduction: Reduction
+    prepared: object
+
+
+def _together(grid: ProcessGrid, config: ExecutorConfig, check: Callable[[], Any]) -> Any:
+    """Runs this process's ``check`` and tells the grid how it went: a process whose
+    arguments are refused raises its own error, and the others raise at once too,
+    instead of waiting for it in the next collective until the timeout."""
+    error: Exception | None = None
+    try:
+        result = check()
+    except (TypeError, ValueError) as e:
+        error = e
+    flags = World(grid.group, config.timeout).gather_ints(
+        [int(error is not None)], "gather of the argument checks", None
+    )
+    if error is not None:
+        raise error
+    refused = [rank for rank, (flag,) in enumerate(flags) if flag]
+    if refused:
+        raise ValueError(
+            f"process(es) {refused} of the grid refused their PipelineExecutor arguments "
+            "(their own errors say why); nothing was changed"
+        )
+    return result

@@ -122,6 +122,6 @@ class ProcessGrid:
 
 
 def _group(ranks: list[int], timeout: datetime.timedelta | None) -> dist.ProcessGroup | None:
-    if len(ranks) == dist.get_world_size() and ranks == sorted(ranks):
-        return dist.group.WORLD
+    # A group of its own even for the whole default group: its timeout bounds the
+    # pipeline's sends and receives, which wait on the group's.
     return dist.new_group(ranks, timeout=timeout)
