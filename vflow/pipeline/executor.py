@@ -434,6 +434,12 @@ class PipelineExecutor:
         self._check_grid(grid, self.pipeline)
 
         def checked() -> tuple[Plan, object]:
+            if grid.stage != self._grid.stage:
+                raise ValueError(
+                    f"this process holds stage {self._grid.stage} but would hold stage "
+                    f"{grid.stage} of the new grid: reconfigure moves whole replicas, each "
+                    "process keeps its stage (order the grid's ranks replica by replica)"
+                )
             new_plan = self._checked_plan(plan, self.virtual_nodes, grid, self.pipeline)
             if self._auto is not None:
                 self._auto.check(bool(self.deterministic), grid.replicas)
