@@ -228,5 +228,12 @@ def test_a_state_of_another_model_is_refused_before_anything_changes() -> None:
             other.load_state_dict(state)
         with pytest.raises(ValueError, match="not a vflow pipeline state"):
             other.load_state_dict({"format": "vflow.executor"})
+    with _executor(_model(), _adamw) as same:
+        larger = {**state, "model": {**state["model"], "3.weight": torch.zeros(3, 3)}}
+        with pytest.raises(
+            ValueError, match=r"entries of no segment of this model, \['3.weight'\]"
+        ):
+            same.load_state_dict(larger)
+        same.load_state_dict(state)
         after = other.stage_module.state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before)

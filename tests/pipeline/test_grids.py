@@ -193,6 +193,7 @@ def _refused(rank: int, world_size: int) -> list[str]:
     errors = []
     for attempt in (
         lambda: ProcessGrid.of(3),
+        lambda: ProcessGrid.of(2, [1, 0, 2, 3]),
         lambda: _executor(ProcessGrid.of(2), 2, plan=vflow.Plan([5, 1])),
         lambda: _executor(ProcessGrid.of(2), 4),
     ):
@@ -215,6 +216,9 @@ def _refused(rank: int, world_size: int) -> list[str]:
     after = ex.stage_module.state_dict()
     assert ex.step_count == 0 and all(torch.equal(before[k], after[k]) for k in before)
     ex.step(x, y)
+    # Another B that splits into equal VNs: the stages infer their shapes again.
+    ex.step(x[:12], y[:12])
+    assert ex.step_count == 2
     ex.close()
     return errors
 
@@ -282,16 +286,17 @@ def test_replicas_leave_and_come_back_and_checkpoints_move_between_grids(tmp_pat
 
 def test_bad_grids_are_refused_on_every_process() -> None:
     results = [r.value for r in run_ranks(4, _refused, timeout=120)]
-    assert all(r[:3] + r[4:] == results[0][:3] + results[0][4:] for r in results)
+    assert all(r[:4] + r[5:] == results[0][:4] + results[0][5:] for r in results)
     for rank, result in enumerate(results):
-        assert result[3] == (
+        assert result[4] == (
             "loss_fn is None on the process holding the last stage (stage 1, replica "
             f"{rank // 2}): the loss runs there"
             if rank % 2
             else "process(es) [1, 3] of the grid refused their PipelineExecutor arguments "
             "(their own errors say why); nothing was changed"
         )
-    grid, vns, stages, _, batch = results[0]
+    grid, unordered, vns, stages, _, batch = results[0]
+    assert unordered == "ranks must be in increasing order, got [1, 0, 2, 3]"
     assert "a global batch of 22 samples does not split into virtual_nodes=6 VNs of one" in batch
     assert "stages=3 does not divide the grid's 4 processes" in grid
     assert 'schedule="1F1B" needs at least stages=2 VNs (microbatches) per replica' in vns

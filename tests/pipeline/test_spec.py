@@ -23,6 +23,7 @@ def test_split_names_where_the_stages_begin() -> None:
     pipeline = vflow.Pipeline(3, split=["block1", "head"])
     assert pipeline.split == ("block1", "head")
     assert stage_bounds(NAMES, pipeline) == [(0, 2), (2, 4), (4, 5)]
+    assert pipeline.cut(NAMES) == [["embed", "block0"], ["block1", "block2"], ["head"]]
 
 
 @pytest.mark.parametrize(

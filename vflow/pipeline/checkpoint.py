@@ -10,15 +10,32 @@ import tempfile
 import torch
 
 from vflow.pipeline.executor import PipelineExecutor
+from vflow.world.group import World
 
 
 def save(path: str | os.PathLike[str], ex: PipelineExecutor) -> None:
     """Writes the job's state to ``path`` from the grid's first process, atomically
-    (a crash leaves the old file or the new one). A collective of the grid."""
+    (a crash leaves the old file or the new one). A collective of the grid: it returns
+    on every process once the file is written, and raises on every process if it
+    could not be."""
     state = ex.state_dict()
-    if ex.grid.rank != 0:
-        return
     path = os.fspath(path)
+    failure: BaseException | None = None
+    if ex.grid.rank == 0:
+        try:
+            _write(path, state)
+        except Exception as e:  # told to the others below, then raised here
+            failure = e
+    written = World(ex.grid.group, ex.config.timeout).gather_ints(
+        [int(failure is None)], f"gather of whether {path} was written", ex.step_count
+    )
+    if failure is not None:
+        raise failure
+    if not written[0][0]:
+        raise OSError(f"the grid's first process could not write {path} (its error says why)")
+
+
+def _write(path: str, state: object) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     handle, temporary = tempfile.mkstemp(dir=directory, prefix=".vflow-pipeline-")
     try:

@@ -213,6 +213,7 @@ class PipelineExecutor:
         )
         self._run: _StepRun | None = None
         self._stage: VNStage | None = None
+        self._microbatch_size = 0  # the samples per microbatch the stage's shapes fit
         self._schedules: dict[int, Any] = {}
         self._last_result: StepResult | None = None
         self._release_other_segments(named_segments, first, stop)
@@ -514,7 +515,7 @@ class PipelineExecutor:
                 if grid.stages == 1:
                     run.sequential(mine_in, mine_target)
                 else:
-                    self._schedule(len(slices)).step(
+                    self._schedule(len(slices), slices[0].size).step(
                         *(() if mine_in is None else (mine_in,)),
                         target=mine_target,
                         return_outputs=False,
@@ -597,8 +598,12 @@ class PipelineExecutor:
             )
         return batch_size
 
-    def _schedule(self, microbatches: int) -> Any:
+    def _schedule(self, microbatches: int, microbatch_size: int) -> Any:
+        if self._stage is not None and microbatch_size != self._microbatch_size:
+            # The stage's shapes were inferred on other microbatches: infer them again.
+            self._stage = None
         if self._stage is None:
+            self._microbatch_size = microbatch_size
             grid = self._grid
             assert grid.stage_group is not None
             self._stage = VNStage(
@@ -675,7 +680,7 @@ class PipelineExecutor:
         self._load_local_state(state)
         return lambda: self._load_local_state(before, assign=True)
 
-    def state_dict(self) -> dict[str, Any] | None:
+    def state_dict(self) -> dict[str, Any]:
         """The whole model's training state, gathered from every stage: the model's
         state dict under the names of the unsplit model, the optimizer state by
         parameter name, step counts and seed (vflow.pipeline.state). A collective of
@@ -709,7 +714,7 @@ class PipelineExecutor:
         each raises before changing anything when it does not fit its stage."""
         self._check_open()
         local = pipeline_state.stage_state(
-            state, self.stage_module, self.optimizer, self._local_state()
+            state, self.stage_module, self.optimizer, self._local_state(), self._segment_names
         )
         self._load_local_state(local)
 

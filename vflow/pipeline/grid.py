@@ -86,6 +86,9 @@ class ProcessGrid:
             raise ValueError(
                 f"ranks must be distinct ranks of the default group [0, {world}), got {ranks!r}"
             )
+        if ranks != sorted(ranks):
+            # dist.new_group orders a group's members by rank: a grid position must match.
+            raise ValueError(f"ranks must be in increasing order, got {ranks!r}")
         if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
             raise ValueError(f"stages must be an int >= 1, got {stages!r}")
         if len(ranks) % stages:

@@ -51,6 +51,12 @@ class Pipeline:
                 )
             object.__setattr__(self, "split", tuple(split))
 
+    def cut(self, names: Sequence[str]) -> list[list[str]]:
+        """The names of each stage's segments, for a model whose children are
+        ``names``: a process that builds only its own segments (the others on the meta
+        device, so that the whole model never exists in one process) reads its own here."""
+        return [list(names[first:stop]) for first, stop in stage_bounds(names, self)]
+
     @property
     def min_microbatches(self) -> int:
         """The fewest microbatches (VNs) a replica may run: 1F1B needs one per stage."""

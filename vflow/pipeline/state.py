@@ -128,10 +128,12 @@ def stage_state(
     stage_module: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     template: dict[str, Any],
+    segment_names: list[str],
 ) -> dict[str, Any]:
     """This stage's entries of ``state`` in the executor-state layout of
     vflow.runtime.training_state (``template``: this stage's current one), which then
-    validates and loads them all or nothing."""
+    validates and loads them all or nothing. Entries of no segment of the model
+    (``segment_names``) are refused: the state is another model's."""
     if not isinstance(state, Mapping):
         raise TypeError(
             f"state must be a dict from PipelineExecutor.state_dict(), got {type(state).__name__}"
@@ -157,6 +159,13 @@ def stage_state(
     ):
         raise TypeError("state['optimizer'] must be a dict with 'state' and 'param_groups'")
     wanted = stage_module.state_dict()
+    segments = set(segment_names)
+    foreign = [key for key in saved_model if str(key).split(".", 1)[0] not in segments]
+    if foreign:
+        raise ValueError(
+            f"state['model'] has entries of no segment of this model, {foreign[:8]}: the "
+            f"checkpoint must come from the same model (segments {segment_names})"
+        )
     absent = [key for key in wanted if key not in saved_model]
     if absent:
         raise ValueError(
