@@ -69,7 +69,7 @@ def _summed_ce(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor
 
 def _executor(grid: ProcessGrid | None, stages: int = 1, **kwargs: Any) -> vflow.PipelineExecutor:
     return vflow.PipelineExecutor(
-        _model(kwargs.pop("model_seed", 0)),
+        _model(kwargs.pop("model_seed", 0)).to(kwargs.pop("dtype", torch.float32)),
         lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
         kwargs.pop("loss_fn", _mean_ce),
         kwargs.pop("virtual_nodes", V),
@@ -84,7 +84,8 @@ def _executor(grid: ProcessGrid | None, stages: int = 1, **kwargs: Any) -> vflow
 
 def _train(ex: vflow.PipelineExecutor, steps: range) -> list[float]:
     batches = _batches()
-    return [ex.step(*batches[step]).loss for step in steps]
+    dtype = next(ex.stage_module.parameters()).dtype
+    return [ex.step(batches[step][0].to(dtype), batches[step][1]).loss for step in steps]
 
 
 def _finish(ex: vflow.PipelineExecutor) -> dict[str, Any]:
@@ -102,16 +103,21 @@ def _reference_of(
     loss_fn: Any = _mean_ce,
     deterministic: Any = True,
     virtual_nodes: int = V,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
     """stages=1 on one process, one intra-op thread like the ranks."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         ex = _executor(
-            None, loss_fn=loss_fn, deterministic=deterministic, virtual_nodes=virtual_nodes
+            None,
+            loss_fn=loss_fn,
+            deterministic=deterministic,
+            virtual_nodes=virtual_nodes,
+            dtype=dtype,
         )
-        for batch in batches:
-            ex.step(*batch)
+        for x, y in batches:
+            ex.step(x.to(dtype), y)
         return _finish(ex)
     finally:
         torch.set_num_threads(threads)
@@ -147,6 +153,8 @@ def _fixed_grids(rank: int, world_size: int) -> dict[str, Any]:
         ("2x2 summed losses", 2, {"deterministic": True, "loss_fn": _summed_ce}),
         ("2x2 exact", 2, {"deterministic": "exact"}),
         ("2x2 default", 2, {}),
+        # bf16 parameters and activations, gradients accumulated in float32.
+        ("2x2 bf16", 2, {"deterministic": True, "dtype": torch.bfloat16}),
     ):
         ex = _executor(ProcessGrid.of(stages), stages, **kwargs)
         losses = _train(ex, range(STEPS))
@@ -248,6 +256,8 @@ def test_every_grid_trains_the_single_process_model() -> None:
         exact = "default" not in name and "exact" not in name
         if "exact" in name:
             want = _reference(deterministic="exact")
+        if "bf16" in name:
+            want = _reference_of(_batches(), dtype=torch.bfloat16)
         _assert_same(outcome["state"], want, exact, name)
         # Every process reports the same global loss, whichever stage it holds.
         assert all(r[name]["losses"] == outcome["losses"] for r in results), name
