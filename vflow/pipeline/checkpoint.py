@@ -5,11 +5,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 import torch
 
 from vflow.pipeline.executor import PipelineExecutor
+from vflow.runtime.checkpoint import write_atomically
 from vflow.world.group import World
 
 
@@ -23,7 +23,7 @@ def save(path: str | os.PathLike[str], ex: PipelineExecutor) -> None:
     failure: BaseException | None = None
     if ex.grid.rank == 0:
         try:
-            _write(path, state)
+            write_atomically(path, state)
         except Exception as e:  # told to the others below, then raised here
             failure = e
     written = World(ex.grid.group, ex.config.timeout).gather_ints(
@@ -33,21 +33,6 @@ def save(path: str | os.PathLike[str], ex: PipelineExecutor) -> None:
         raise failure
     if not written[0][0]:
         raise OSError(f"the grid's first process could not write {path} (its error says why)")
-
-
-def _write(path: str, state: object) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".vflow-pipeline-")
-    try:
-        with os.fdopen(handle, "wb") as file:
-            torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
 
 
 def load(path: str | os.PathLike[str], ex: PipelineExecutor) -> None:

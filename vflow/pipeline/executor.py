@@ -48,6 +48,7 @@ from vflow.pipeline.grid import ProcessGrid
 from vflow.pipeline.spec import SCHEDULES, Pipeline, segments, stage_bounds
 from vflow.pipeline.stage import VNStage
 from vflow.pipeline.streams import SegmentStreams
+from vflow.planning import auto_plan
 from vflow.planning.auto_plan import AutoPlan, PlanChange
 from vflow.planning.profile import StepProfile, VNProfile, WorkerProfile
 from vflow.runtime import losses, training_state
@@ -263,7 +264,7 @@ class PipelineExecutor:
     ) -> _CheckedStage:
         """This process's checked arguments and its stage: what the constructor checks
         once the grid says which stage this process holds."""
-        auto = _auto_plan(plan)
+        auto = auto_plan.resolve(plan)
         if auto is not None:
             if auto.kind != "counts":
                 raise ValueError(
@@ -674,11 +675,7 @@ class PipelineExecutor:
         self.config = self.config.with_seed(progress.seed)
 
     def _load_received_state(self, state: object) -> Callable[[], None]:
-        if not isinstance(state, dict):
-            raise ValueError(f"the members sent a {type(state).__name__}, not a training state")
-        before = training_state.copy_to_cpu(self._local_state())
-        self._load_local_state(state)
-        return lambda: self._load_local_state(before, assign=True)
+        return training_state.load_received(state, self._local_state, self._load_local_state)
 
     def state_dict(self) -> dict[str, Any]:
         """The whole model's training state, gathered from every stage: the model's
@@ -953,16 +950,6 @@ class _ProfileLayout:
                 WorkerProfile(replica, previous.step, tuple(vns), compute_s, exposed_s, 0.0, step_s)
             )
         return StepProfile(previous.step, tuple(replicas))
-
-
-def _auto_plan(plan: object) -> AutoPlan | None:
-    if isinstance(plan, str):
-        if plan != "auto":
-            raise ValueError(
-                f"plan must be a vflow.Plan, 'auto', a vflow.AutoPlan or None, got {plan!r}"
-            )
-        return AutoPlan()
-    return plan if isinstance(plan, AutoPlan) else None
 
 
 class _CheckedStage(NamedTuple):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vflow.runtime import training_state
 from vflow.world import membership
 
 if TYPE_CHECKING:
@@ -28,16 +29,6 @@ if TYPE_CHECKING:
 
 FORMAT = "vflow.pipeline"
 VERSION = 1
-_REQUIRED = (
-    "virtual_nodes",
-    "seed",
-    "step_count",
-    "skipped_steps",
-    "deterministic",
-    "model",
-    "optimizer",
-    "optimizer_class",
-)
 
 
 def _parameter_names(stage_module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -147,7 +138,7 @@ def stage_state(
         raise ValueError(
             f"state['version'] is {state.get('version')!r}; this vflow reads {VERSION}"
         )
-    missing = [key for key in _REQUIRED if key not in state]
+    missing = [key for key in training_state.COMMON_KEYS if key not in state]
     if missing:
         raise ValueError(f"pipeline state lacks the key(s) {missing}")
     saved_model = state["model"]

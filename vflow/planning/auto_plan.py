@@ -429,3 +429,15 @@ def _ran(profile: StepProfile, plan: Plan, batch_size: int) -> bool:
         [(vn.vn, vn.size) for vn in worker.vns] == [(k, sizes[k]) for k in plan.vns(w)]
         for w, worker in enumerate(profile.workers)
     )
+
+
+def resolve(plan: object) -> AutoPlan | None:
+    """The automatic plan an executor's ``plan`` argument asks for: ``"auto"`` (the
+    default settings) or an ``AutoPlan``; None for anything else (a fixed plan)."""
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise ValueError(
+                f"plan must be a vflow.Plan, 'auto', a vflow.AutoPlan or None, got {plan!r}"
+            )
+        return AutoPlan()
+    return plan if isinstance(plan, AutoPlan) else None

@@ -187,10 +187,13 @@ def _save_here(path: str, ex: Executor, extra: Any) -> None:
     _check_loadable(extra, "extra")
     payload = {"executor": ex.state_dict(), "extra": extra}
     _check_loadable(payload["executor"], "the executor state")
-    _write_atomically(path, directory, payload)
+    write_atomically(path, payload)
 
 
-def _write_atomically(path: str, directory: str, payload: Any) -> None:
+def write_atomically(path: str, payload: Any) -> None:
+    """``torch.save(payload)`` to ``path`` so that a reader (or a crash) sees the old
+    file or the whole new one, never a part."""
+    directory = os.path.dirname(os.path.abspath(path))
     # Same directory, so that the rename never crosses filesystems (it would not be
     # atomic); O_EXCL, so that concurrent writers never share a temporary file; mode
     # 0o666 rather than mkstemp's 0o600, so the checkpoint gets the umask's permissions.

@@ -40,6 +40,7 @@ from vflow.data.vn_batches import VNBatchSource
 from vflow.mapping import rng
 from vflow.mapping.batching import Batch
 from vflow.mapping.plan import Plan, VNSlice
+from vflow.planning import auto_plan
 from vflow.planning.auto_plan import AutoPlan, PlanChange, PlanDecision
 from vflow.planning.profile import StepProfile, WorkerProfile
 from vflow.runtime import inference, training_state
@@ -218,7 +219,7 @@ class Executor:
         reduction = for_kind(config.deterministic)
         reduction.check_support(params, config.accumulate_dtype, config.virtual_nodes)
         world = World(resolve_group(process_group), config.timeout)
-        auto = _auto_plan(plan)
+        auto = auto_plan.resolve(plan)
         if auto is not None:
             auto.check(bool(config.deterministic), world.size)
             plan = None
@@ -546,12 +547,7 @@ class Executor:
             )
 
     def _load_received_state(self, state: object) -> Callable[[], None]:
-        if not isinstance(state, dict):
-            raise ValueError(f"the members sent a {type(state).__name__}, not a training state")
-        before = training_state.copy_to_cpu(self.state_dict())
-        # Copied, not adopted: the tensors are views of the whole received buffer.
-        self.load_state_dict(state)
-        return lambda: self.load_state_dict(before, assign=True)
+        return training_state.load_received(state, self.state_dict, self.load_state_dict)
 
     # ---- training -------------------------------------------------------------------
 
@@ -838,16 +834,6 @@ class Executor:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
-
-
-def _auto_plan(plan: object) -> AutoPlan | None:
-    if isinstance(plan, str):
-        if plan != "auto":
-            raise ValueError(
-                f"plan must be a vflow.Plan, 'auto', a vflow.AutoPlan or None, got {plan!r}"
-            )
-        return AutoPlan()
-    return plan if isinstance(plan, AutoPlan) else None
 
 
 def _check_signal_word(word: object, name: str) -> None:

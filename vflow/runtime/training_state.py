@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,8 @@ FORMAT = "vflow.executor"
 VERSION = 1
 _SUPPORTED_VERSIONS = (1,)
 # Keys that must be in an executor state of VERSION; "written_by" is informational.
-_REQUIRED = (
+# The keys a state of any executor has (a pipeline's too, vflow.pipeline.state)...
+COMMON_KEYS = (
     "virtual_nodes",
     "seed",
     "step_count",
@@ -52,8 +53,9 @@ _REQUIRED = (
     "model",
     "optimizer",
     "optimizer_class",
-    "loss_scaler",
 )
+# ... and an executor state of VERSION's.
+_REQUIRED = (*COMMON_KEYS, "loss_scaler")
 _MAX_LISTED = 8
 
 
@@ -131,6 +133,22 @@ def load(target: Target, state: Any, *, assign: bool = False) -> Progress:
         snapshot.restore(target)
         raise
     return Progress(state["step_count"], state["skipped_steps"], state["seed"])
+
+
+def load_received(
+    state: object,
+    current: Callable[[], dict[str, Any]],
+    load_state_dict: Callable[..., None],
+) -> Callable[[], None]:
+    """Loads a state the members sent to a newcomer (Note [Joining a worker set]) with
+    ``load_state_dict``, copying it (its tensors are views of the received buffer), and
+    returns what puts the newcomer's ``current`` state back, should another newcomer
+    fail."""
+    if not isinstance(state, dict):
+        raise ValueError(f"the members sent a {type(state).__name__}, not a training state")
+    before = copy_to_cpu(current())
+    load_state_dict(state)
+    return lambda: load_state_dict(before, assign=True)
 
 
 def copy_to_cpu(value: Any) -> Any:
