@@ -103,6 +103,18 @@ BENCHMARKS: dict[str, Benchmark] = {
             1200,
         ),
         Benchmark(
+            "pipeline",
+            "pipeline.py",
+            "PipelineExecutor on Gloo ranks: step vs the bubble formula, the halving, memory "
+            "per stage vs an unsplit worker, vs torch.distributed.pipelining by hand",
+            False,
+            # Above the script's own limit (270 s quick, 1100 s full, all its groups of
+            # processes together); the quick run takes about 40 s on 2 cores, the full
+            # one about 100 s.
+            300,
+            1200,
+        ),
+        Benchmark(
             "elastic",
             "elastic.py",
             "Gloo workers: ElasticJob leave, grow, SIGTERM, SIGKILL, SIGSTOP vs torchrun "
