@@ -59,7 +59,7 @@ from vflow.runtime.reduction import Reduction, for_kind
 from vflow.runtime.results import PhaseTimings, StepResult
 from vflow.runtime.step_run import profiled
 from vflow.world import membership
-from vflow.world.group import World, check_plan
+from vflow.world.group import CollectiveError, World, check_plan
 
 LossFn = Callable[[Any, Any], Any]
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -536,6 +536,7 @@ class PipelineExecutor:
             else:
                 self._grads.publish()
                 self.optimizer.step()
+            run.settle()
         except BaseException:
             if buffers is not None:
                 buffers.abort()
@@ -769,6 +770,9 @@ class _StepRun:
         self.wait_s = 0.0
         self.profiling = torch.autograd._profiler_enabled()
         self.gathered_profile: StepProfile | None = None
+        self._row = torch.zeros(0)
+        self._layout: _ProfileLayout | None = None
+        self._pending: Any = None  # the losses' all-reduce the last stage did not wait for
 
     def mark(self, position: int, point: int) -> None:
         self.times[position][point] = time.perf_counter()
@@ -804,10 +808,9 @@ class _StepRun:
 
     def reduce(self) -> None:
         """Every VN's loss to every process, the global normalisation, the inf/NaN
-        verdict of all stages."""
+        verdict of all stages (Note [The last stage does not wait])."""
         ex = self.executor
         virtual_nodes = ex.virtual_nodes
-        previous = ex._previous
         layout = _ProfileLayout(virtual_nodes, ex.grid)
         row = torch.zeros(2 * virtual_nodes + 2 + layout.size, dtype=torch.float64)
         for vn, value in self.vn_losses.items():
@@ -815,14 +818,55 @@ class _StepRun:
             row[virtual_nodes + vn] = self.vn_items[vn]
         if self.kind is not None:
             row[2 * virtual_nodes + (0 if self.kind == "mean" else 1)] = len(self.vn_losses)
-        profile_row = row[2 * virtual_nodes + 2 :]
-        if previous is not None:
-            layout.encode(profile_row, previous)
+        if ex._previous is not None:
+            layout.encode(row[2 * virtual_nodes + 2 :], ex._previous)
+        self._row, self._layout = row, layout
+        check = ex.config.skip_nonfinite or bool(ex.deterministic)
+        if ex.grid.is_last and self.kind == "mean" and not check and ex.grid.size > 1:
+            self._pending = torch.distributed.all_reduce(row, group=ex.grid.group, async_op=True)
+            ex._grads.finish(1.0, False)
+            return
         waited = time.perf_counter()
         ex._grid_world().sum([row], "all-reduce of the VN losses", ex.step_count)
         self.wait_s = time.perf_counter() - waited
-        if previous is not None:
-            self.gathered_profile = layout.decode(profile_row, previous)
+        factor = self._read_losses()
+        found = ex._grads.finish(factor, check)
+        if check and ex.grid.size > 1:
+            flag = torch.tensor([float(found)], dtype=torch.float64)
+            ex._grid_world().sum([flag], "all-reduce of the inf/NaN verdict", ex.step_count)
+            found = bool(flag.item())
+        if found and bool(ex.deterministic) and not ex.config.skip_nonfinite:
+            raise FloatingPointError(
+                f"vflow step {ex.step_count}: a gradient of the global batch is inf or NaN, "
+                "or its sum does not fit float32; nothing was changed. Pass "
+                "skip_nonfinite=True to skip such steps instead"
+            )
+        self.skipped = found
+
+    def settle(self) -> None:
+        """After the optimizer step: the losses' all-reduce the last stage did not wait
+        for (Note [The last stage does not wait])."""
+        if self._pending is None:
+            return
+        ex, pending, self._pending = self.executor, self._pending, None
+        waited = time.perf_counter()
+        try:
+            pending.wait(ex.config.timeout)
+        except RuntimeError as e:
+            raise CollectiveError(
+                f"vflow step {ex.step_count}: all-reduce of the VN losses on "
+                f"{ex._grid_world().description} failed after the optimizer step: {e}"
+            ) from e
+        self.wait_s = time.perf_counter() - waited
+        self._read_losses()
+
+    def _read_losses(self) -> float:
+        """The global loss and item count from the reduced row; returns the factor the
+        gradients are normalised by."""
+        ex, row, virtual_nodes = self.executor, self._row, self.executor.virtual_nodes
+        if ex._previous is not None:
+            assert self._layout is not None
+            self.gathered_profile = self._layout.decode(row[2 * virtual_nodes + 2 :], ex._previous)
         means, sums = int(row[2 * virtual_nodes]), int(row[2 * virtual_nodes + 1])
         if means and sums:
             raise ValueError(
@@ -836,24 +880,10 @@ class _StepRun:
             losses.check_item_total(items_total)
             self.num_items = items_total
             self.loss = loss_total / items_total
-            factor = 1.0 / items_total
-        else:
-            self.num_items = self.total
-            self.loss = loss_total
-            factor = 1.0
-        check = ex.config.skip_nonfinite or bool(ex.deterministic)
-        found = ex._grads.finish(factor, check)
-        if check and ex.grid.size > 1:
-            flag = torch.tensor([float(found)], dtype=torch.float64)
-            ex._grid_world().sum([flag], "all-reduce of the inf/NaN verdict", ex.step_count)
-            found = bool(flag.item())
-        if found and bool(ex.deterministic) and not ex.config.skip_nonfinite:
-            raise FloatingPointError(
-                f"vflow step {ex.step_count}: a gradient of the global batch is inf or NaN, "
-                "or its sum does not fit float32; nothing was changed. Pass "
-                "skip_nonfinite=True to skip such steps instead"
-            )
-        self.skipped = found
+            return 1.0 / items_total
+        self.num_items = self.total
+        self.loss = loss_total
+        return 1.0
 
     def result(self, start: float, after_vns: float, after_reduce: float, end: float) -> StepResult:
         ex = self.executor
@@ -885,6 +915,17 @@ class _StepRun:
             lambda: profile,
         )
 
+
+# Note [The last stage does not wait]
+# The last stage ends its schedule a backward or two before the first, and the first
+# stages need the losses' all-reduce before their optimizer step (only there do they
+# learn the loss's kind and, for summed losses, the global item count). The last stage
+# computed the losses itself: with mean losses its gradients are complete without the
+# all-reduce, so, unless the inf/NaN verdict is wanted (deterministic mode,
+# skip_nonfinite), it steps its optimizer first and waits for the all-reduce after,
+# overlapping its step with the first stages' last backwards, as a pipeline without
+# vflow does. The price: should the all-reduce then fail, or reveal that another
+# replica's VNs returned summed losses, the last stage has already stepped.
 
 # Note [Automatic plans for replicas]
 # With plan="auto" the planner of vflow.Executor (Note [Automatic plans],
