@@ -1,6 +1,7 @@
 """The benchmark suite of a source checkout: runs the scripts of this folder (accumulate,
-step, distributed, prefetch, heterogeneous; elastic only when named with ``--only``) one
-after another and sums up their headline results in one table (``make bench``).
+step, distributed, prefetch, heterogeneous, pipeline, cluster; elastic only when named
+with ``--only``) one after another and sums up their headline results in one table
+(``make bench``).
 
 Each script runs as a file in a subprocess of this interpreter, as its README says to
 run it, with ``--json`` into the output folder; its own tables stream to the terminal as
@@ -111,6 +112,18 @@ BENCHMARKS: dict[str, Benchmark] = {
             # Above the script's own limit (270 s quick, 1100 s full, all its groups of
             # processes together); the quick run takes about 40 s on 2 cores, the full
             # one about 100 s.
+            300,
+            1200,
+        ),
+        Benchmark(
+            "cluster",
+            "cluster.py",
+            "elastic cluster scheduling, simulated: priority, las, wfs, wfs-any average JCT on a "
+            "VirtualFlow-shaped workload; a resize-cost sweep; 1,000 jobs on 64 slots",
+            False,
+            # The quick run (5 seeds, one timing of each 1,000-job simulation) takes about
+            # 30 s on 2 busy cores, the full one (11 seeds, three timings) about 2 min;
+            # --real, minutes of real jobs, is never run by the suite.
             300,
             1200,
         ),

@@ -25,7 +25,18 @@ PACKAGE = REPO_ROOT / "vflow"
 # ops. Every room may import the last three; the face only the demo (and the CLI).
 TOP_LEVEL = {"vflow", "vflow.__main__", "vflow._version", "vflow._extension", "vflow.ops"}
 BASE = {"vflow._version", "vflow._extension", "vflow.ops"}
-ROOMS = ["mapping", "planning", "data", "world", "runtime", "elastic", "pipeline", "bench", "demo"]
+ROOMS = [
+    "mapping",
+    "planning",
+    "data",
+    "world",
+    "runtime",
+    "elastic",
+    "pipeline",
+    "cluster",
+    "bench",
+    "demo",
+]
 
 
 def _module_name(path) -> str:

@@ -8,6 +8,7 @@ COMMANDS = {
     "demo": "train a small CNN on scikit-learn's digits with virtual nodes",
     "bench": "kernel-throughput microbenchmarks (the full suite: benchmarks/run.py)",
     "rendezvous": "host the rendezvous store of elastic jobs (vflow.elastic)",
+    "cluster": "schedule many elastic jobs on a cluster: simulate, run, generate (vflow.cluster)",
 }
 
 
@@ -52,6 +53,10 @@ def main(argv: list[str]) -> int:
         from vflow.elastic import rendezvous
 
         return rendezvous.main(rest)
+    if command == "cluster":
+        from vflow.cluster import cli
+
+        return cli.main(rest)
     from vflow import demo
 
     return demo.main(rest)

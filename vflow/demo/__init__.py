@@ -7,7 +7,8 @@ and a progress bar (``progress``). ``digits`` holds the data, model and loss tha
 examples import from here.
 
 May import: vflow.mapping, vflow.planning, vflow.data, vflow.world, vflow.runtime,
-vflow.elastic, vflow.pipeline, vflow.bench and the package's face (vflow); no room imports the demo.
+vflow.elastic, vflow.pipeline, vflow.cluster, vflow.bench and the package's face (vflow); no room
+imports the demo.
 """
 
 from vflow.demo.digits import (

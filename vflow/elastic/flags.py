@@ -37,14 +37,16 @@ def _count(text: str) -> int:
     return value
 
 
-def _seconds(text: str) -> float:
-    value = _seconds_or_zero(text)
+def positive_seconds(text: str) -> float:
+    """argparse type: a number of seconds > 0 (also for other commands' flags)."""
+    value = seconds_or_zero(text)
     if value == 0:
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
     return value
 
 
-def _seconds_or_zero(text: str) -> float:
+def seconds_or_zero(text: str) -> float:
+    """argparse type: a number of seconds >= 0."""
     try:
         value = float(text)
     except ValueError:
@@ -84,26 +86,30 @@ _OPTIONS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "max_workers": ("--max-workers", _count, "more workers wait for a place (keep it <= V)"),
     "timeout_s": (
         "--timeout",
-        _seconds,
+        positive_seconds,
         "seconds a collective may take: how long a hung worker stalls the others",
     ),
     "join_timeout_s": (
         "--join-timeout",
-        _seconds,
+        positive_seconds,
         "seconds a round may take to form, e.g. waiting for joiners below --min-workers",
     ),
     "last_call_s": (
         "--last-call",
-        _seconds_or_zero,
+        seconds_or_zero,
         "seconds a round that has --min-workers waits for more",
     ),
-    "keep_alive_s": ("--keep-alive", _seconds, "seconds between a worker's heartbeats"),
+    "keep_alive_s": ("--keep-alive", positive_seconds, "seconds between a worker's heartbeats"),
     "keep_alive_attempts": (
         "--keep-alive-attempts",
         _count,
         "missed heartbeats after which a worker counts as dead",
     ),
-    "store_timeout_s": ("--store-timeout", _seconds, "seconds to reach the rendezvous store"),
+    "store_timeout_s": (
+        "--store-timeout",
+        positive_seconds,
+        "seconds to reach the rendezvous store",
+    ),
     "max_recoveries": (
         "--max-recoveries",
         _count,
@@ -119,8 +125,8 @@ _OPTIONS: dict[str, tuple[str, Callable[[str], Any], str]] = {
 
 _METAVARS: dict[Callable[[str], Any], str] = {
     _count: "N",
-    _seconds: "SECONDS",
-    _seconds_or_zero: "SECONDS",
+    positive_seconds: "SECONDS",
+    seconds_or_zero: "SECONDS",
     str: "FILE",
     _backend: "NAME",
 }
