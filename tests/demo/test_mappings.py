@@ -54,7 +54,11 @@ def test_short_run_gives_identical_vflow_mappings_and_writes_the_plot(tmp_path: 
     # changes follow the speeds measured since ("settled", "drift"), which the tests
     # beside this one skew: only their shape is checked.
     assert auto["auto_plan"] and auto["plan_decisions"][0].startswith("step 6: ")
-    assert "[4, 2]" in auto["plan_decisions"][0], auto["plan_decisions"]
+    # Under that noise the warm-up's profiles may even hide the slow worker (CI saw
+    # "no better plan under the model" at step 6); the speeds measured later must not.
+    first = auto["plan_decisions"][0]
+    assert "[4, 2]" in first or "no better plan" in first, auto["plan_decisions"]
+    assert any("[4, 2]" in d for d in auto["plan_decisions"]), auto["plan_decisions"]
     changes = auto["plan_changes"]
     assert all(c["counts"] == [4, 2] for c in changes if c["reason"] == "profiled"), changes
     assert all(sum(c["counts"]) == 6 and c["predicted_gain"] > 1 for c in changes), changes
