@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from vflow.cluster.trace import JobSpec, TraceError, load_trace, parse_trace
+from vflow.cluster.trace import JobSpec, TraceError, load_trace, parse_trace, write_json
+from vflow.runtime import checkpoint
 
 
 def job(**changes: Any) -> dict[str, Any]:
@@ -123,3 +124,21 @@ def test_load_trace_names_the_file(tmp_path) -> None:
     good = tmp_path / "trace.json"
     good.write_text(json.dumps({"slots": 2, "jobs": [job()]}))
     assert load_trace(good).jobs[0].name == "j1"
+
+
+def test_write_json_replaces_the_whole_file_or_leaves_the_old_one(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "result.json"
+    write_json(path, {"first": 1})
+    write_json(path, {"second": [1, 2]})
+    assert json.loads(path.read_text()) == {"second": [1, 2]}
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="No space left"):
+        write_json(path, {"third": 3})
+    with pytest.raises(TypeError):
+        write_json(path, {"not json": object()})
+    assert json.loads(path.read_text()) == {"second": [1, 2]}
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from vflow.runtime.checkpoint import replacing_atomically
 
 __all__ = ["JobSpec", "Trace", "TraceError", "load_trace", "parse_trace", "write_json"]
 
@@ -222,11 +223,6 @@ def parse_trace(data: Any) -> Trace:
 def write_json(path: str | Path, data: Any) -> None:
     """Writes ``data`` as JSON to ``path`` so that a reader sees the old file or the
     whole new one, never a part."""
-    target = Path(path)
-    partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
-    try:
-        partial.write_text(json.dumps(data, indent=1) + "\n")
-        os.replace(partial, target)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+    text = json.dumps(data, indent=1) + "\n"
+    with replacing_atomically(path) as f:
+        f.write(text.encode())

@@ -42,11 +42,13 @@ and ``world`` (its worker set's rank, size and collectives).
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import os
 import pickle
 import secrets
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, BinaryIO
 
 import torch
 
@@ -190,19 +192,22 @@ def _save_here(path: str, ex: Executor, extra: Any) -> None:
     write_atomically(path, payload)
 
 
-def write_atomically(path: str, payload: Any) -> None:
-    """``torch.save(payload)`` to ``path`` so that a reader (or a crash) sees the old
-    file or the whole new one, never a part."""
+@contextlib.contextmanager
+def replacing_atomically(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
+    """Yields a binary file whose contents replace ``path`` once the block ends without
+    an error, so that a reader (or a crash) sees the old file or the whole new one, never
+    a part. On an error the old file stays as it was and the temporary one is removed."""
+    path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     # Same directory, so that the rename never crosses filesystems (it would not be
     # atomic); O_EXCL, so that concurrent writers never share a temporary file; mode
-    # 0o666 rather than mkstemp's 0o600, so the checkpoint gets the umask's permissions.
+    # 0o666 rather than mkstemp's 0o600, so the file gets the umask's permissions.
     name = os.path.basename(path)[:180]
     tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with open(fd, "wb") as f:
-            torch.save(payload, f)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -213,6 +218,12 @@ def write_atomically(path: str, payload: Any) -> None:
             pass
         raise
     _fsync_directory(directory)
+
+
+def write_atomically(path: str, payload: Any) -> None:
+    """``torch.save(payload)`` to ``path``, atomically (``replacing_atomically``)."""
+    with replacing_atomically(path) as f:
+        torch.save(payload, f)
 
 
 def _fsync_directory(directory: str) -> None:
