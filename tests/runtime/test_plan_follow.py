@@ -135,6 +135,9 @@ def test_plan_changes_wait_for_the_batches_a_dataloader_drew_ahead() -> None:
     assert auto[0]["history"], "the automatic planner never re-planned"
     assert auto[1]["history"] == auto[0]["history"]
     for step, counts in auto[0]["history"]:
+        assert step <= STEPS
+        if step == STEPS:  # decided with every batch drawn (seen in CI): no step ran it
+            continue
         assert auto[0]["steps"][step][0] == tuple(counts)
         assert auto[0]["steps"][step - 1][0] != tuple(counts)
 

@@ -91,7 +91,8 @@ WARMUP_LOOKS = 3
 class PlanChange:
     """One automatic change of plan.
 
-    step: the first step run under ``new``.
+    step: the first step run under ``new``, if the run goes on that long: a change
+      decided when the run's remaining batches are all drawn names the step after them.
     reason: "profiled" (the first plan from the warm-up), "settled" (the plan weighed
       again on profiles of the plan just taken) or "drift" (speeds changed).
     predicted_old_s / predicted_new_s: the model's step time of each plan when the
