@@ -612,18 +612,21 @@ def test_a_worker_knocking_at_a_full_job_gives_up_after_the_join_timeout(job: Jo
     """V=2 and two workers: a third one waits for a place (Note [Joining a running
     job]) for --join-timeout, then leaves with JoinRefused; the job never notices."""
     common = ("--virtual-nodes", "2")
-    job.workers = 3  # never reached: a and b train slowly to the end, c arrives in time
-    job.start("a", *common, steps=60)
+    # workers=3 is never reached, so a and b train slowly to the end (30 s), long enough
+    # for c to start, knock and give up even on a loaded machine (in CI, c once took
+    # over 12 s to start and found the 60-step job over).
+    job.workers = 3
+    job.start("a", *common, steps=120)
     job.wait_steps("a", 1)
-    job.start("b", *common, steps=60)
+    job.start("b", *common, steps=120)
     job.wait_steps("b", 1)
-    job.start("c", *common, "--join-timeout", "3", steps=60)
+    job.start("c", *common, "--join-timeout", "3", steps=120)
     assert job.procs["c"].wait(timeout=60) == 1
     said = job.stderr("c")
     assert "JoinRefused" in said and "did not take this worker in within join_timeout_s=3" in said
     codes = job.wait()
     assert codes["a"] == 0 and codes["b"] == 0, job.stderr("a")
-    _assert_same_training(job, steps=60, virtual_nodes=2)
+    _assert_same_training(job, steps=120, virtual_nodes=2)
     assert max(line["workers"] for line in job.steps("a")) == 2
 
 
