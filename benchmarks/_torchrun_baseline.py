@@ -438,7 +438,8 @@ def _signal(pid: int, sig: int) -> None:
 _STORE_CODE = (
     "import sys, time\n"
     "from torch.distributed import TCPStore\n"
-    "store = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, multi_tenant=True)\n"
+    "store = TCPStore(sys.argv[1], int(sys.argv[2]), is_master=True, wait_for_workers=False,\n"
+    "                 multi_tenant=True)\n"
     "print(store.port, flush=True)\n"
     "while True:\n"
     "    time.sleep(3600)\n"
@@ -478,7 +479,11 @@ class _Chain:
     "agents", one process per node), so that both sides fire their events by the same
     rule and are read by the same analysis; what differs is how a process starts,
     how an event is carried out and what it does to the worker count (``size_after``).
+    benchmarks/faults.py runs torchrun's agents on namespace hosts with another, whose
+    events (``kinds``) include network faults.
     """
+
+    kinds: tuple[str, ...] = KINDS
 
     def __init__(self, events: Sequence[Event], s: Settings, run_dir: Path) -> None:
         self.events = list(events)
@@ -532,7 +537,7 @@ class _Chain:
         else:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         env.update(
-            GLOO_SOCKET_IFNAME="lo",
+            GLOO_SOCKET_IFNAME=self.interface,
             OMP_NUM_THREADS=str(self.s.threads),
             PYTHONUNBUFFERED="1",
         )
@@ -540,12 +545,27 @@ class _Chain:
             env["LOGLEVEL"] = self.s.agent_log_level
         return env
 
-    def start_store(self) -> None:
+    # Where the processes run (benchmarks/faults.py puts them on namespace hosts): the
+    # address the store listens on, a node's address, the interface its collectives
+    # use, and the command line that runs ``argv`` where node ``name`` is.
+    interface = "lo"
+
+    def store_address(self) -> str:
+        return "127.0.0.1"
+
+    def address(self, name: str) -> str:
+        return "127.0.0.1"
+
+    def launch(self, name: str, argv: list[str]) -> list[str]:
+        return argv
+
+    def start_store(self, port: int = 0) -> None:
         if self.s.store == "agent":
             self.port = _free_port()
             return
+        argv = [sys.executable, "-c", _STORE_CODE, self.store_address(), str(port), self.marker]
         self.store = subprocess.Popen(
-            [sys.executable, "-c", _STORE_CODE, self.marker],
+            self.launch("store", argv),
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
@@ -567,11 +587,11 @@ class _Chain:
             f"--nnodes={self.s.min_workers}:{self.max_workers}",
             "--nproc-per-node=1",
             "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{self.port}",
+            f"--rdzv-endpoint={self.store_address()}:{self.port}",
             f"--rdzv-id={self.job}",
             f"--rdzv-conf={conf}",
             f"--max-restarts={self.s.max_restarts}",
-            "--local-addr=127.0.0.1",
+            f"--local-addr={self.address(name)}",
         ]
         if p.monitor_interval_s is not None:
             cmd.append(f"--monitor-interval={p.monitor_interval_s:g}")
@@ -597,7 +617,7 @@ class _Chain:
         self._outputs.append(out)
         started = time.time()
         proc = subprocess.Popen(
-            self.agent_command(name),
+            self.launch(name, self.agent_command(name)),
             stdout=out,
             stderr=subprocess.STDOUT,
             env=self.env(),
@@ -1014,10 +1034,13 @@ def parse_event(text: str) -> Event:
 
 
 def check_chain(
-    events: Sequence[Event], s: Settings, size_after: Callable[[str, int], int]
+    events: Sequence[Event],
+    s: Settings,
+    size_after: Callable[[str, int], int],
+    kinds: Sequence[str] = KINDS,
 ) -> None:
     """ValueError when ``events`` cannot run as one chain under ``s`` (``size_after``:
-    the worker count an event leaves)."""
+    the worker count an event leaves; ``kinds``: the events the chain can fire)."""
     if s.workers < 1 or s.checkpoint_every < 1 or s.store not in ("separate", "agent"):
         raise ValueError(f"bad settings: {s}")
     if s.tail_steps is not None and (s.tail_steps < 1 or s.settle_steps < 0):
@@ -1026,7 +1049,7 @@ def check_chain(
         raise ValueError(f"event_phase must be in 0..{s.checkpoint_every - 1}: {s}")
     size, last = s.workers, -1
     for e in events:
-        if e.kind not in KINDS:
+        if e.kind not in kinds:
             raise ValueError(f"unknown event kind {e.kind!r}")
         if s.tail_steps is None and (e.at_step <= last or e.at_step >= s.steps - 1):
             raise ValueError(f"events must be at increasing steps below {s.steps - 1}: {e}")
@@ -1066,7 +1089,7 @@ def run_chain(
     (benchmarks/elastic.py's vflow chains), run and read the same way."""
     with _run_dir(settings.keep_dir, settings.profile.name) as run_dir:
         chain = make_chain(events, settings, run_dir)
-        check_chain(events, settings, chain.size_after)
+        check_chain(events, settings, chain.size_after, chain.kinds)
         start = time.time()
         error: str | None = None
         try:

@@ -27,17 +27,19 @@ host's address on the network that connects them (only a trusted one), e.g.
 ``python -m vflow rendezvous --host 10.0.0.1 --port 29400``, and start workers anywhere
 with ``--rdzv 10.0.0.1:29400``. Every worker must reach the store's port, and the workers
 each other's Gloo ports (each listens on an ephemeral port of the interface Gloo binds).
-Set GLOO_SOCKET_IFNAME to the interface that reaches the other machines (e.g.
-``GLOO_SOCKET_IFNAME=eth0 python examples/train_elastic.py ...``): without it this
-script puts Gloo on the loopback interface, which only reaches workers on the same
-machine.
+A worker puts its collectives on the interface that reaches the store (loopback when the
+store is on loopback); ``--interface NAME`` or ``GLOO_SOCKET_IFNAME`` choose another.
+With ``--port``, the store keeps a journal of the running jobs, so that a store
+restarted at the same address knows them (the running workers re-register their job,
+and a worker started meanwhile joins it instead of starting it over).
 
 When the job reaches ``--steps``, its lowest-ranked worker writes
 ``{"model", "optimizer", "step"}`` to ``--out`` (``torch.load(path)``); the others write
 nothing, and so does a worker that left early or arrived after the end. The rendezvous
 events (start, grow, leave, crash, finish) are logged by the ``vflow`` logger, and
 rank 0 logs the loss every ``--log-every`` steps. ``--log FILE`` appends one JSON line
-per step this worker ran (``{"step", "rank", "workers", "loss"}``) and a last line
+per step this worker ran (``{"t", "step", "rank", "workers", "loss"}``, ``t`` its
+end in ``time.time()``) and a last line
 ``{"events": [...], "step": ...}``, for scripts that watch a job.
 """
 
@@ -57,7 +59,6 @@ import torch
 import vflow
 from vflow.demo import accuracy, cross_entropy, load_digits_split, make_model
 from vflow.elastic import add_job_arguments, job_from_args
-from vflow.world.group import use_loopback_for_gloo
 
 _log = logging.getLogger("train_elastic")
 
@@ -68,7 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     # --rdzv, --job and the job's options; max_workers is --virtual-nodes (every worker
     # needs at least one VN; more wait until one leaves).
-    add_job_arguments(parser, timeout_s=30.0, min_workers=1, checkpoint=None)
+    add_job_arguments(
+        parser, "store_timeout_s", "interface", timeout_s=30.0, min_workers=1, checkpoint=None
+    )
     parser.add_argument("--steps", type=int, required=True, help="global steps of the job")
     parser.add_argument(
         "--virtual-nodes", type=int, default=8, help="V, also the most workers (default 8)"
@@ -123,11 +126,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        job = job_from_args(args, max_workers=args.virtual_nodes)
+    except ValueError as e:  # a --rdzv host that does not resolve, an unknown --interface
+        print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s: %(message)s")
-    use_loopback_for_gloo()
     torch.set_num_threads(args.threads)
     x_train, y_train, x_test, y_test = load_digits_split(args.seed)
-    job = job_from_args(args, max_workers=args.virtual_nodes)
     log_file: TextIO | None = open(args.log, "a", buffering=1) if args.log else None
 
     def make_executor(group: Any, timeout: float) -> vflow.Executor:
@@ -165,7 +171,13 @@ def main(argv: list[str] | None = None) -> int:
                 ex.world_size,
             )
         if log_file is not None:
-            record = {"step": step, "rank": ex.rank, "workers": ex.world_size, "loss": result.loss}
+            record = {
+                "t": time.time(),
+                "step": step,
+                "rank": ex.rank,
+                "workers": ex.world_size,
+                "loss": result.loss,
+            }
             log_file.write(json.dumps(record) + "\n")
         return result
 

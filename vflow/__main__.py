@@ -50,9 +50,9 @@ def main(argv: list[str]) -> int:
 
         return bench.main(rest)
     if command == "rendezvous":
-        from vflow.elastic import rendezvous
+        from vflow.elastic import server
 
-        return rendezvous.main(rest)
+        return server.main(rest)
     if command == "cluster":
         from vflow.cluster import cli
 

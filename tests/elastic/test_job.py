@@ -766,3 +766,18 @@ def test_run_checks_its_arguments_before_connecting() -> None:
         job.run(lambda g, t: None, lambda ex, s: None, -1)  # type: ignore[arg-type, return-value]
     with pytest.raises(TypeError, match="train_step must be callable"):
         job.run(lambda g, t: None, None, 1)  # type: ignore[arg-type, return-value]
+
+
+def test_survivors_agree_on_a_set_whose_every_pair_reaches_each_other() -> None:
+    """Note [Recovering within the round], step 3: after a partition between 1 and 2
+    (both reach 0), the set keeps 0 and the first of them; a one-way cut counts as a
+    cut; with everybody reaching everybody, nobody is left out."""
+    from vflow.elastic.job import _connected
+
+    full = {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
+    assert _connected([0, 1, 2], full) == [0, 1, 2]
+    cut = {0: [0, 1, 2], 1: [0, 1], 2: [0, 2]}
+    assert _connected([0, 1, 2], cut) == [0, 1]
+    one_way = {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 2]}
+    assert _connected([0, 1, 2], one_way) == [0, 1]
+    assert _connected([2, 1, 0], cut) == [2, 0]  # the set's order decides

@@ -8,14 +8,25 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousSettings,
+    RendezvousTimeout,
+    _BackendRendezvousStateHolder,
+    _NodeDesc,
+    _RendezvousState,
+)
 
 from tests.support.rendezvous import store_process
 from tests.support.sockets import listening, needs_proc_net
-from vflow.elastic.rendezvous import Round, parse_endpoint, round_group, serve
+from vflow.elastic.rendezvous import Round, _ClockFreeStateHolder, parse_endpoint, round_group
+from vflow.elastic.server import serve
 
 
 def test_the_store_process_prints_its_address_and_ends_on_sigterm() -> None:
@@ -67,7 +78,7 @@ def test_endpoints() -> None:
 
 def test_a_rounds_group_and_its_subgroups_work_and_are_checked() -> None:
     store = dist.HashStore()
-    rnd = Round(number=3, rank=0, world_size=1, store=store)
+    rnd = Round(3, 0, 1, "vflow/test/round3", lambda: store)
     timeout = datetime.timedelta(seconds=10)
     group = round_group(rnd, timeout)
     assert (group.rank(), group.size()) == (0, 1)
@@ -133,3 +144,58 @@ def test_an_address_of_no_interface_here_is_a_clear_error() -> None:
     )
     assert proc.returncode == 1
     assert "python -m vflow rendezvous: cannot listen on 192.0.2.1:0" in proc.stderr
+
+
+# ---- Note [Heartbeats across clocks] ---------------------------------------------------
+
+
+def _holders() -> tuple[Any, Any, Any, Any]:
+    settings = RendezvousSettings(
+        "clocks",
+        1,
+        3,
+        RendezvousTimeout(),
+        keep_alive_interval=datetime.timedelta(seconds=0.5),
+        keep_alive_max_attempt=2,
+    )
+    backend = C10dRendezvousBackend(dist.HashStore(), "clocks")
+    ahead, behind = _NodeDesc("ahead", 1, 0), _NodeDesc("behind", 2, 0)
+    return (
+        _ClockFreeStateHolder(backend, settings),
+        _BackendRendezvousStateHolder(backend, settings),
+        ahead,
+        behind,
+    )
+
+
+def _state(beats: dict[Any, datetime.datetime]) -> _RendezvousState:
+    state = _RendezvousState()
+    state.participants = {node: rank for rank, node in enumerate(beats)}
+    state.last_heartbeats = dict(beats)
+    return state
+
+
+def test_heartbeats_from_clocks_30_s_off_are_judged_by_whether_they_change() -> None:
+    """A participant whose clock is 30 s behind writes heartbeats that torch's holder
+    finds expired at once; vflow's keeps it while its heartbeat changes, drops one
+    whose heartbeat stood still for the window (1 s), and restores the values it
+    read, so that what it writes back is what the others wrote."""
+    clock_free, torch_holder, ahead, behind = _holders()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    beats = {
+        ahead: now + datetime.timedelta(seconds=30),
+        behind: now - datetime.timedelta(seconds=30),
+    }
+    torch_holder._state = _state(beats)
+    torch_holder._sanitize()
+    assert behind not in torch_holder.state.participants  # dropped while alive
+    clock_free._state = _state(beats)
+    clock_free._sanitize()
+    assert set(clock_free.state.participants) == {ahead, behind}
+    assert clock_free.state.last_heartbeats == beats
+    time.sleep(1.2)
+    beats[behind] += datetime.timedelta(seconds=1.2)  # behind beat; ahead stood still
+    clock_free._state = _state(beats)
+    clock_free._sanitize()
+    assert set(clock_free.state.participants) == {behind}
+    assert clock_free.state.last_heartbeats == {behind: beats[behind]}

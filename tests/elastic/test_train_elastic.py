@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import signal
 import socket
 import subprocess
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 from tests.support import REPO_ROOT
 from tests.support.rendezvous import store_process
+from tests.support.several_hosts import assert_bitwise_equal, readme_lines
 
 pytest.importorskip("sklearn", reason="the example trains on scikit-learn's digits")
 if not (dist.is_available() and dist.is_gloo_available()):
@@ -55,17 +55,7 @@ def _env() -> dict[str, str]:
 def _readme_lines() -> tuple[list[str], list[str]]:
     """The store's and the worker's command lines of README.md's "### Elastic jobs", as
     words."""
-    text = README.read_text(encoding="utf-8")
-    section = re.search(r"^### Elastic jobs\n(.*?)(?=^##)", text, re.MULTILINE | re.DOTALL)
-    assert section, "README.md has no '### Elastic jobs' section"
-    block = re.search(r"^```bash\n(.*?)^```", section.group(1), re.MULTILINE | re.DOTALL)
-    assert block, "README.md's '### Elastic jobs' shows no bash block"
-    commands = [shlex.split(line, comments=True) for line in block.group(1).splitlines()]
-    commands = [words[:-1] if words[-1:] == ["&"] else words for words in commands if words]
-    store = [w for w in commands if w[1:4] == ["-m", "vflow", "rendezvous"]]
-    worker = [w for w in commands if "examples/train_elastic.py" in w]
-    assert len(store) == 1 and len(worker) == 1, commands
-    return store[0], worker[0]
+    return readme_lines("### Elastic jobs")
 
 
 def _as_here(words: list[str], port: int, **replace: str) -> list[str]:
@@ -165,20 +155,6 @@ def _reasons(events: list[tuple[int, int, str]]) -> list[str]:
     return [reason for _, _, reason in events]
 
 
-def _assert_bitwise_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
-    assert got["step"] == want["step"]
-    assert got["model"].keys() == want["model"].keys()
-    for key, value in want["model"].items():
-        assert torch.equal(got["model"][key], value), f"model {key} differs"
-    got_opt, want_opt = got["optimizer"], want["optimizer"]
-    assert got_opt["param_groups"] == want_opt["param_groups"]
-    assert got_opt["state"].keys() == want_opt["state"].keys()
-    for index, state in want_opt["state"].items():
-        assert got_opt["state"][index].keys() == state.keys()
-        for key, value in state.items():
-            assert torch.equal(got_opt["state"][index][key], value), f"optimizer {index} {key}"
-
-
 def test_help_lists_the_required_flags() -> None:
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--help"],
@@ -240,7 +216,7 @@ def test_the_readme_lines_grow_crash_and_grow_again_bitwise_as_one_worker(tmp_pa
     assert f"vflow elastic: worker lost during step {crashed_at}; re-forming the worker set" in log
     assert f"vflow elastic: redoing step {crashed_at} with 1 worker (1 lost)" in log
     assert "vflow step" not in log and "Connection" not in log and "timeout" not in log
-    _assert_bitwise_equal(torch.load(out, weights_only=True), torch.load(alone, weights_only=True))
+    assert_bitwise_equal(torch.load(out, weights_only=True), torch.load(alone, weights_only=True))
     assert torch.load(out, weights_only=True)["step"] == steps
 
 
@@ -264,7 +240,7 @@ def test_joiners_with_other_settings_are_refused_and_the_job_finishes_bitwise(
         assert codes == {"a": 0, "alone": 0}, workers.stderr("a")[-4000:]
     assert _reasons(workers.events("a")) == ["start", "finish"], workers.events("a")
     assert "were refused" in workers.stderr("a")
-    _assert_bitwise_equal(torch.load(out, weights_only=True), torch.load(alone, weights_only=True))
+    assert_bitwise_equal(torch.load(out, weights_only=True), torch.load(alone, weights_only=True))
 
 
 @pytest.mark.slow
@@ -288,4 +264,4 @@ def test_a_joiner_with_another_model_or_too_slow_is_refused_and_the_job_finishes
         assert codes == {"a": 0, "alone": 0}, workers.stderr("a")[-4000:]
     assert _reasons(workers.events("a")) == ["start", "finish"], workers.events("a")
     assert "were refused" in workers.stderr("a")
-    _assert_bitwise_equal(torch.load(out, weights_only=True), torch.load(alone, weights_only=True))
+    assert_bitwise_equal(torch.load(out, weights_only=True), torch.load(alone, weights_only=True))

@@ -63,7 +63,6 @@ from vflow import elastic
 from vflow.elastic.rendezvous import Rendezvous
 from vflow.planning.emulation import SlowDown
 from vflow.world import membership
-from vflow.world.group import use_loopback_for_gloo
 
 V, B, SAMPLES, FEATURES, CLASSES = 6, 24, 24 * 8, 8, 3
 SEED, HIDDEN = 5, 32
@@ -178,7 +177,6 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("vflow").setLevel(logging.DEBUG)
-    use_loopback_for_gloo()
     torch.set_num_threads(1)
     faults = Faults(args.fault, args.fault_step, getattr(signal, args.fault_signal))
     x, y = dataset()

@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.support import hosts
+from tests.support.several_hosts import state_over_a_slow_link
 from vflow.world.group import World
 from vflow.world.launch import run_ranks
 from vflow.world.membership import pack_state, unpack_state
@@ -117,3 +119,23 @@ def test_broadcast_own_refuses_a_tensor_it_would_have_to_copy() -> None:
     world.group = object()  # type: ignore[assignment]
     with pytest.raises(ValueError, match="tensor must be contiguous and on cpu"):
         world.broadcast_own(0, torch.zeros(4, 2).t(), "the state")
+
+
+# ---- a state larger than one timeout's worth of a slow link --------------------------
+
+
+@pytest.mark.alone  # reads the transfer's time
+@pytest.mark.skipif(
+    (hosts_missing := hosts.missing() or (hosts.missing_tools("tc") or None)) is not None,
+    reason=f"multi-host tests: {hosts_missing}",
+)
+def test_a_state_larger_than_the_timeout_allows_crosses_a_slow_link_chunk_by_chunk() -> None:
+    """Note [Sending the training state]: 48 MB to a host behind 100 Mbit/s (tbf) takes
+    about 4 s, twice the 2 s timeout, and arrives whole: each chunk's broadcast (8 MB,
+    0.7 s at that rate) is bounded by the timeout, not the whole state's."""
+    megabytes, timeout = 48, 2.0
+    received = state_over_a_slow_link(megabytes, timeout, "100mbit")
+    assert received["equal"]
+    at_the_rate = megabytes * 2**20 * 8 / 100e6  # 4.0 s
+    assert at_the_rate <= received["seconds"] <= 3 * at_the_rate, received
+    assert received["seconds"] > timeout

@@ -110,7 +110,7 @@ from typing import IO, Any
 from vflow.cluster.policies import JobState, Policy, get_policy
 from vflow.cluster.simulator import MEASURED, Costs
 from vflow.cluster.trace import JobSpec, Trace, TraceError, load_trace, write_json
-from vflow.elastic.rendezvous import serve
+from vflow.elastic.server import serve
 
 __all__ = [
     "DEFAULT_COMMAND",

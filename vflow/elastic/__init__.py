@@ -1,9 +1,10 @@
 """Elastic jobs: workers join, leave and crash while the job runs, and nothing is lost
 or repeated (``ElasticJob``, Note [Elastic state machine] in ``job``). Membership is
-torch.distributed.elastic's rendezvous inside long-lived workers, on a store that
-``python -m vflow rendezvous`` hosts (``rendezvous``). Worker scripts take the job's
-options as command-line flags with ``add_job_arguments`` and ``job_from_args``
-(``flags``).
+torch.distributed.elastic's rendezvous inside long-lived workers (``rendezvous``), on
+a store that ``python -m vflow rendezvous`` hosts (``server``), where the job's record
+says which worker set owns it, kept across restarts by the store's journal
+(``record``). Worker scripts take the job's options as command-line flags with
+``add_job_arguments`` and ``job_from_args`` (``flags``).
 
 May import: vflow.mapping, vflow.planning, vflow.data, vflow.world and vflow.runtime.
 """

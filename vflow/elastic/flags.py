@@ -70,6 +70,12 @@ def _job_id(text: str) -> str:
     return text
 
 
+def _name(text: str) -> str:
+    if not text or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError(f"must be an interface's name, got {text!r}")
+    return text
+
+
 def _backend(text: str) -> str:
     if text not in ("gloo", "nccl"):
         raise argparse.ArgumentTypeError(f"must be 'gloo' or 'nccl', got {text!r}")
@@ -121,6 +127,12 @@ _OPTIONS: dict[str, tuple[str, Callable[[str], Any], str]] = {
         "this worker writes its state here when the job stops for too few workers",
     ),
     "backend": ("--backend", _backend, "'gloo' (CPU) or 'nccl' (one GPU per worker)"),
+    "interface": (
+        "--interface",
+        _name,
+        "the network interface the collectives use (default: GLOO_SOCKET_IFNAME, else the "
+        "one that reaches the store)",
+    ),
 }
 
 _METAVARS: dict[Callable[[str], Any], str] = {
@@ -129,6 +141,7 @@ _METAVARS: dict[Callable[[str], Any], str] = {
     seconds_or_zero: "SECONDS",
     str: "FILE",
     _backend: "NAME",
+    _name: "NAME",
 }
 
 

@@ -42,7 +42,9 @@ ROUND  ``next_round`` (the job's start, or a fallback) until the rendezvous comp
        again without them (Note [Refusing newcomers]); a worker failing while the set
        forms is dropped as in a crash (RECOVER; newcomers are not waited for). A round
        without any member of a job that has started is refused and retried (the members
-       are still on their way), so newcomers never start the job over. → TRAIN
+       are still on their way), so newcomers never start the job over: a round of
+       newcomers starts the job only by claiming its record, which a running or
+       restored job holds (Note [Fencing a job], vflow/elastic/record.py). → TRAIN
 TRAIN  each step's signal word says whether the worker sees workers waiting to join
        (WAITING) and whether it was asked to leave (LEAVE), read as late as the step
        can send it; the words travel in the step's statistics (``Executor.signal``), so
@@ -53,6 +55,8 @@ TRAIN  each step's signal word says whether the worker sees workers waiting to j
        - else any WAITING: the members let in the workers that knocked, within the
          round (grow; Note [Joining a running job]), or, when only the rendezvous'
          wait list has workers (they came before the job started), → ROUND;
+       - the job's record names another worker set (Note [Fencing a job]): this set
+         trains no further step and stops with its checkpoint;
        - a CollectiveError (a peer died, hung past ``timeout_s``, or the group broke)
          → RECOVER (crash). The failed step changed nothing on a worker that raised
          (the executor's contract), and the data position is the step count, so the
@@ -81,22 +85,29 @@ group (``Executor.abort_group``), which makes every peer blocked on it fail at o
 and so on, until every survivor has seen the failure. Then, in the round's store:
 
 1. each survivor writes ``recover<G>/alive/<rank>`` (G: how many worker sets the round
-   has had, the same on all members);
+   has had, the same on all members), whose value is where it answers probes;
 2. it waits until every other worker of the set has either answered or stopped
    beating (Note [Beats], vflow/elastic/rendezvous.py), up to ``timeout_s``;
    newcomers of a set that was forming are not waited for;
-3. the first survivor to get there writes the answered ranks to
-   ``recover<G>/decision`` with compare-and-set; every survivor adopts what is there,
-   so all agree even when they saw different answers;
-4. the ranks of the decision form the next group of the round and ``reconfigure``
+3. it probes every other survivor (Note [Probing a peer], vflow/world/network.py) and
+   writes whom it reached to ``recover<G>/reach/<rank>``, then waits for the others'
+   rows as in 2. A group breaks as surely over a cut between two survivors as over a
+   dead one, and after a partition both ends still answer: without this step they would
+   form the same broken set again and again;
+4. the first survivor to get there writes the decision to ``recover<G>/decision`` with
+   compare-and-set: the survivors in the set's order, each kept if it and every one
+   kept before it reach each other (``_connected``); every survivor adopts what is
+   there, so all agree even when they saw different answers;
+5. the ranks of the decision form the next group of the round and ``reconfigure``
    onto it with ``catch_up``, then redo the failed step.
 
-A survivor not in the decision (it answered after it was made) asks to join again
-(Note [Joining a running job]) and comes back as a grow; a newcomer not in it raises
-JoinRefused. A failure during
-steps 1-4 starts them again on the next G, up to ``max_recoveries`` times, then the
-worker falls back to a new round. No rendezvous round forms, so a crash costs neither
-the heartbeat expiry nor the last call.
+A survivor not in the decision (it answered after it was made, or it is cut off from a
+worker kept before it) asks to join again (Note [Joining a running job]) and comes back
+as a grow once it reaches every member; a newcomer not in it raises JoinRefused. A
+failure during steps 1-5 starts them again on the next G, up to ``max_recoveries``
+times, then the worker falls back to a new round. No rendezvous round forms, so a
+crash costs neither the heartbeat expiry nor the last call. Probing costs a round trip
+per pair when all is well, and the probe's timeout (0.5 s) when a pair is cut.
 
 Fewer than ``min_workers`` after a failure: the members wait up to ``join_timeout_s``
 for a worker to knock, then raise RuntimeError, after writing ``checkpoint`` (if
@@ -105,11 +116,14 @@ given) with ``vflow.runtime.save_local``.
 Note [Joining a running job]
 A rendezvous round costs a grow the last call and the handler's polling (it syncs once a
 second, hard-wired in torch's DynamicRendezvousHandler: 1.1-1.9 s measured here), and
-every member must take part. Once a job has started (a store key says so), a newcomer
-does not use the rendezvous; it knocks:
+every member must take part. Once a job has started (it has a record: Note [Fencing a
+job], vflow/elastic/record.py), a newcomer does not use the rendezvous; it knocks:
 
+0. it probes the members the set's lowest member published (``vflow/<job>/members``)
+   and waits until it reaches them all (Note [Probing a peer], vflow/world/network.py):
+   a worker cut off from one of them would only break the set it joins;
 1. it takes a ticket, ``add("knocks", 1)`` under ``vflow/<job>``, and waits for the
-   key ``admit/<ticket>`` (or for the rendezvous to close: the job finished);
+   key ``admit/<ticket>`` (or for the job's record to say it finished);
 2. the members' pollers count the knocks not answered yet (whose knockers still beat)
    with the rendezvous' wait list, and a member that sees any sets WAITING in its
    current step's signal word, so that all of them act after the same step, when their
@@ -117,9 +131,10 @@ does not use the rendezvous; it knocks:
 3. the members agree on whom to let in by compare-and-set on ``admit<G>/<step>`` in
    the round's store (the first member's view wins), write every ticket's answer (the
    round, the new set's ranks, its number G + 1) and raise the answered counter;
-4. newcomers and members form the new set as in ROUND (newcomers take the negative
-   of their ticket as their rank in the round: the round's own ranks are >= 0), with
-   refusals and failures handled the same way.
+4. newcomers and members form the new set as in ROUND (newcomers take negative ranks
+   in the round, never used before in it, from a counter in the round's store: the
+   round's own ranks are >= 0; the decision carries them), with refusals and failures
+   handled the same way.
 
 A member stalls for one agreement, a group's creation and the state's broadcast
 (0.04 s in tests/elastic/test_job.py's grows). A worker let in this way is not a
@@ -131,12 +146,20 @@ costs the members the group's creation timeout (``timeout_s``).
 
 Note [The store during a round]
 Training needs no store: the step's collectives run over the group's own connections,
-so a worker set trains on while the store process is down (the poller's reads fail
-quietly). A change of the worker set needs it, and a dead store fails every request at
-once (TCPStore: "Connection reset by peer"), so no worker waits on it: a recovery, a
-shrink or a new round that meets a dead store writes ``checkpoint`` (if given) and
-raises RuntimeError naming the store; ``vflow.load`` resumes from that file in a new
-job.
+and no step takes a lock or makes a request that waits on the store (the signal words
+read what the poller last saw), so a worker set trains on while the store is down or
+silent (the poller's requests fail on their own thread). A change of the worker set
+needs it. A dead store process fails every request at once (TCPStore: "Connection
+reset by peer"); a silent one (its host's link down, a partition) fails each request
+within ``store_timeout_s`` (Note [A store that goes silent], vflow/world/store.py), and
+the main thread's requests never queue behind the poller's (Note [Two connections to
+the store], vflow/elastic/rendezvous.py). So a recovery, a shrink or a new round that
+meets an unreachable store writes ``checkpoint`` (if given) and raises RuntimeError
+naming the store within ``store_timeout_s`` of its first request (after a crash: the
+collective's ``timeout_s`` to notice it, then that); ``vflow.load`` resumes from that
+file in a new job. A store that comes back at the same address, restarted or not, is
+found by the poller, which re-registers the job there (Note [Restarts of the store],
+vflow/elastic/rendezvous.py): a change of the worker set after that works again.
 
 Note [Saying what a recovery does]
 A lost worker is what an elastic job is for, not an error: the ``vflow`` logger says at
@@ -182,6 +205,7 @@ from vflow.elastic.rendezvous import (
 from vflow.runtime import checkpoint as checkpoint_io
 from vflow.runtime.executor import Executor
 from vflow.runtime.results import StepResult
+from vflow.world import network
 from vflow.world.group import CollectiveError, World, failure_words
 from vflow.world.membership import RefusedNewcomers
 
@@ -190,7 +214,6 @@ __all__ = ["LEAVE", "WAITING", "ElasticJob", "Event", "JoinRefused"]
 WAITING = 1  # signal bit: this worker sees workers waiting to join
 LEAVE = 2  # signal bit: this worker leaves after this step
 
-_STARTED = "started"  # a job store key: a worker set of the job has formed
 # How often a recovering worker looks at the others' answers and beats.
 _RECOVERY_POLL_S = 0.02
 
@@ -295,7 +318,8 @@ class ElasticJob:
             after which the rendezvous counts a worker as dead (Note [Rounds without
             restarts], vflow/elastic/rendezvous.py); crash recovery does not wait for
             them (Note [Recovering within the round]).
-        store_timeout_s: bound on reaching the store.
+        store_timeout_s: bound on reaching the store, and on any request to a store
+            that went silent (Note [The store during a round]).
         max_recoveries: how many times in a row the survivors of a failure may fail
             to re-form their worker set within the round (then they form a new round),
             and rounds may fail to form (then ``run`` gives up).
@@ -305,6 +329,14 @@ class ElasticJob:
         handle_sigterm: SIGTERM asks this worker to leave after its current step (only
             when ``run`` is called from the main thread).
         backend: "gloo" (CPU) or "nccl" (one GPU per worker).
+        interface: the network interface the worker's collectives use (Gloo's, and
+            NCCL's unless ``NCCL_SOCKET_IFNAME`` is set); default: ``GLOO_SOCKET_IFNAME``
+            if set, else the interface that reaches the store (Note [The interface that
+            reaches the store], vflow/world/network.py). ``self.interface`` is the one
+            chosen.
+
+    The rendezvous' host must resolve and the interface exist: a ValueError naming
+    either is raised here, before anything is started.
     """
 
     def __init__(
@@ -324,8 +356,9 @@ class ElasticJob:
         checkpoint: str | None = None,
         handle_sigterm: bool = True,
         backend: str = "gloo",
+        interface: str | None = None,
     ) -> None:
-        parse_endpoint(rendezvous)
+        host, port = parse_endpoint(rendezvous)
         if not isinstance(job_id, str) or not job_id or any(c.isspace() for c in job_id):
             raise ValueError(f"job_id must be a non-empty string without spaces, got {job_id!r}")
         for name, value in (
@@ -360,6 +393,8 @@ class ElasticJob:
             raise TypeError(f"checkpoint must be a file path or None, got {checkpoint!r}")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        network.resolve(host, "rendezvous")
+        self.interface, self._gloo_interface = _interface(host, port, interface)
         self.rendezvous = rendezvous
         self.job_id = job_id
         self.min_workers = min_workers
@@ -412,6 +447,8 @@ class ElasticJob:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
         if self.backend == "nccl":
+            # NCCL reads it when its first communicator is made.
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", self.interface)
             _prepare_nccl()
         # Installed first, so that SIGTERM while connecting means "leave", not death.
         previous = None
@@ -428,6 +465,13 @@ class ElasticJob:
                 keep_alive_s=self.keep_alive_s,
                 keep_alive_attempts=self.keep_alive_attempts,
                 store_timeout_s=self.store_timeout_s,
+                probe_address=network.interface_address(self.interface),
+            )
+            _log.info(
+                "vflow elastic: job %r on the store at %s; collectives on interface %s",
+                self.job_id,
+                self.rendezvous,
+                self.interface,
             )
             try:
                 return self._run(self._rendezvous, make_executor, train_step, steps)
@@ -499,10 +543,17 @@ class ElasticJob:
                     )
                     rdzv.close()
                     return None
-                raise RuntimeError(
-                    f"job {self.job_id!r} finished while this worker still had steps to run "
-                    f"(step {ex.step_count} of {steps})"
+                # It was out of the worker set (left out, dropped) and asked to join
+                # again: the job is done, by the others, and this worker's state is old.
+                _log.warning(
+                    "vflow elastic: job %r finished while this worker was out of its worker "
+                    "set (this worker stopped at step %d of %d; the others' state is the job's)",
+                    self.job_id,
+                    ex.step_count,
+                    steps,
                 )
+                rdzv.close()
+                return None
             workers, members = joined
             member, failures, need_round = True, 0, False
             rnd = workers.round
@@ -585,17 +636,24 @@ class ElasticJob:
         finished first."""
         try:
             answer = rdzv.knock(self.join_timeout_s)
-        except RendezvousTimeoutError:
+        except RendezvousTimeoutError as e:
+            why = (
+                str(e)
+                if "cannot reach" in str(e)
+                else f"its worker set is full: max_workers={self.max_workers}, at most V "
+                "workers; or it is not training"
+            )
             raise JoinRefused(
                 f"job {self.job_id!r} did not take this worker in within join_timeout_s="
-                f"{self.join_timeout_s:g} s (its worker set is full: max_workers="
-                f"{self.max_workers}, at most V workers; or it is not training)"
+                f"{self.join_timeout_s:g} s ({why})"
             ) from None
         except (RendezvousConnectionError, RendezvousStateError, dist.DistError) as e:
             self._store_lost(ex if member else None, e, "asking to join the running job")
         if answer is None:
             return None
-        rnd = rdzv.adopt(int(answer["round"]), int(answer["rank"]))
+        rnd = rdzv.adopt(str(answer["prefix"]), int(answer["round"]), int(answer["rank"]))
+        if answer.get("record") is not None:
+            rdzv.joined(answer["record"])
         workers = _Workers(rnd, list(answer["ranks"]), int(answer["generation"]))
         newcomers = tuple(answer["newcomers"])
         joined = self._join_set(rdzv, workers, ex, member, newcomers)
@@ -628,19 +686,28 @@ class ElasticJob:
             # whether only the rendezvous' wait list has workers (they need a round).
             # Its key names the step, which all members act after: a set that let nobody
             # in after one step may let someone in after a later one.
-            proposal = {"tickets": tickets, "round": not tickets and rdzv.wait_list() > 0}
+            ranks = _newcomer_ranks(rnd.store, workers.ranks, len(tickets))
+            proposal = {
+                "tickets": tickets,
+                "ranks": ranks,
+                "round": not tickets and rdzv.wait_list() > 0,
+            }
             key = f"vflow/admit{workers.generation}/{ex.step_count}"
             decision = json.loads(rnd.store.compare_set(key, "", json.dumps(proposal)))
             decided = [int(t) for t in decision["tickets"]]
             if not decided:
                 return None if decision["round"] else workers
-            newcomers = [-t for t in decided]  # a ticket's worker, among round ranks >= 0
+            newcomers = [int(r) for r in decision["ranks"]]
             grown = workers.successor(workers.ranks + newcomers)
-            answer = {"round": rnd.number, "ranks": grown.ranks, "generation": grown.generation}
-            rdzv.answer(
-                decided,
-                [dict(answer, rank=-t, newcomers=newcomers) for t in decided],
-            )
+            answer = {
+                "round": rnd.number,
+                "prefix": rnd.prefix,
+                "ranks": grown.ranks,
+                "generation": grown.generation,
+                "record": rdzv.lineage,
+                "newcomers": newcomers,
+            }
+            rdzv.answer(decided, [dict(answer, rank=r) for r in newcomers])
         except dist.DistError as e:
             self._store_lost(ex, e, "letting a new worker in")
         _log.info(
@@ -675,14 +742,6 @@ class ElasticJob:
         rows = world.gather_ints(mine, "checking the round's members", None)
         del world
         members = [rank for rank, (is_member, _) in enumerate(rows) if is_member]
-        if not members and self._started():
-            # The job's members are still on their way to this round (or gone): never
-            # start a running job over (Note [Elastic state machine]).
-            raise _RoundRefused(
-                f"round {rnd.number} of job {self.job_id!r} has no member of the running job "
-                "(they are on their way to a later round)",
-                logging.INFO,
-            )
         virtual_nodes = rows[members[0]][1] if members else ex.virtual_nodes
         if rnd.world_size > virtual_nodes:
             # Every worker needs a VN: newcomers beyond V are refused (they end with this
@@ -700,15 +759,36 @@ class ElasticJob:
                 f"V={virtual_nodes}; the workers beyond V were refused (keep max_workers <= V)",
                 logging.WARNING,
             )
+        claimed = None
+        if not members:
+            # A new job, unless another worker set holds its record: the job's members
+            # are on their way to a later round, or gone, or the store restarted and
+            # they re-registered it. Never start a running job over (Note [Fencing a
+            # job], vflow/elastic/record.py).
+            try:
+                claimed = rdzv.claim(rnd.prefix)
+            except (dist.DistError, RendezvousConnectionError) as e:
+                self._store_lost(None, e, "starting the job")
+            if claimed["lineage"] != rnd.prefix:
+                raise _RoundRefused(
+                    f"round {rnd.number} of job {self.job_id!r} has no member of the running "
+                    "job (they are on their way to a later round)",
+                    logging.INFO,
+                )
+        elif rdzv.lineage is None:
+            current = rdzv.record()
+            if current is not None:
+                rdzv.joined(current)
         newcomers = tuple(r for r in workers.ranks if r not in members)
         joined = self._join_set(rdzv, workers, ex, member, newcomers, group)
         if joined is None:
+            if claimed is not None:  # nobody trained: the next round claims it again
+                rdzv.release(rnd.prefix)
             raise _RoundRefused(
                 f"the worker set of round {rnd.number} of job {self.job_id!r} failed to form "
                 f"{self.max_recoveries} times",
                 logging.WARNING,
             )
-        self._job_store().set(_STARTED, b"1")
         return joined, len(members)
 
     def _join_set(
@@ -735,6 +815,7 @@ class ElasticJob:
                 if group is None:
                     group = self._group(rnd, workers.name, workers.ranks)
                 self._move(ex, group, newcomer=not member)
+                self._publish(rdzv, ex, workers)
                 break
             except RefusedNewcomers as e:
                 refused = [workers.ranks[r] for r in e.ranks]
@@ -791,9 +872,12 @@ class ElasticJob:
         store = rnd.store
         for attempt in range(self.max_recoveries):
             prefix = f"vflow/recover{workers.generation}"
-            store.set(f"{prefix}/alive/{rnd.rank}", b"1")
-            survivors = self._survivors(rdzv, workers, prefix, newcomers)
-            decided = json.loads(store.compare_set(f"{prefix}/decision", "", json.dumps(survivors)))
+            store.set(f"{prefix}/alive/{rnd.rank}", rdzv.probe_endpoint)
+            waited_for = [r for r in workers.ranks if r not in newcomers]
+            survivors = self._answers(rdzv, workers, f"{prefix}/alive", waited_for)
+            reach = self._reach(rdzv, workers, prefix, survivors)
+            proposal = _connected([r for r in workers.ranks if r in reach], reach)
+            decided = json.loads(store.compare_set(f"{prefix}/decision", "", json.dumps(proposal)))
             if rnd.rank not in decided:
                 raise _LeftOut
             workers = workers.successor(decided)
@@ -801,6 +885,7 @@ class ElasticJob:
             try:
                 group = self._group(rnd, workers.name, workers.ranks)
                 self._move(ex, group)
+                self._publish(rdzv, ex, workers)
                 return workers
             except CollectiveError as e:
                 if group is not None:
@@ -816,19 +901,19 @@ class ElasticJob:
             newcomers = ()
         return None
 
-    def _survivors(
-        self, rdzv: Rendezvous, workers: _Workers, prefix: str, newcomers: tuple[int, ...]
+    def _answers(
+        self, rdzv: Rendezvous, workers: _Workers, prefix: str, waited_for: list[int]
     ) -> list[int]:
-        """The workers that answered recovery ``prefix``: every other worker either
-        answers or is gone (its beats stopped: Note [Beats], vflow/elastic/rendezvous.py),
-        within ``timeout_s``. Newcomers are not waited for: one that has not answered
-        when the others are settled is left out (a slow joiner never stalls the job)."""
+        """The workers of ``workers`` that wrote ``prefix/<rank>``, in the set's order,
+        once every worker of ``waited_for`` has either written or is gone (its beats
+        stopped: Note [Beats], vflow/elastic/rendezvous.py), within ``timeout_s``. Others
+        (newcomers) are not waited for: one that has not answered when the others are
+        settled is left out (a slow joiner never stalls the job)."""
         store = workers.round.store
-        waited_for = [r for r in workers.ranks if r not in newcomers]
         deadline = time.monotonic() + self.timeout_s
         last: dict[int, tuple[int, float]] = {}
         while True:
-            answered = [r for r in workers.ranks if store.check([f"{prefix}/alive/{r}"])]
+            answered = [r for r in workers.ranks if store.check([f"{prefix}/{r}"])]
             pending = [r for r in waited_for if r not in answered]
             now = time.monotonic()
             if pending:
@@ -839,6 +924,29 @@ class ElasticJob:
             if not pending or now > deadline:
                 return answered
             time.sleep(_RECOVERY_POLL_S)
+
+    def _reach(
+        self, rdzv: Rendezvous, workers: _Workers, prefix: str, survivors: list[int]
+    ) -> dict[int, list[int]]:
+        """Note [Recovering within the round], step 3: which survivors each survivor
+        reaches (Note [Probing a peer], vflow/world/network.py), for those that said."""
+        store, me = workers.round.store, workers.round.rank
+        others = [r for r in survivors if r != me]
+        endpoints = [store.get(f"{prefix}/alive/{r}").decode() for r in others]
+        mine = [me] + [r for r, ok in zip(others, network.reachable(endpoints)) if ok]
+        store.set(f"{prefix}/reach/{me}", json.dumps(mine))
+        said = self._answers(rdzv, workers, f"{prefix}/reach", survivors)
+        return {r: json.loads(store.get(f"{prefix}/reach/{r}")) for r in said}
+
+    @staticmethod
+    def _publish(rdzv: Rendezvous, ex: Executor, workers: _Workers) -> None:
+        """The set's lowest member says who is in it, for knockers to probe (Note
+        [Probing a peer], vflow/world/network.py); training goes on without the store."""
+        if ex.rank == 0:
+            try:
+                rdzv.publish_members(workers.ranks)
+            except dist.DistError:
+                pass
 
     def _move(self, ex: Executor, group: dist.ProcessGroup, newcomer: bool = False) -> None:
         """``ex`` onto ``group`` (Note [Joining a worker set]); on NCCL, the group it
@@ -859,7 +967,12 @@ class ElasticJob:
         start = time.monotonic()
         try:
             return round_group(
-                rnd, timedelta(seconds=self.timeout_s), backend=self.backend, name=name, ranks=ranks
+                rnd,
+                timedelta(seconds=self.timeout_s),
+                backend=self.backend,
+                name=name,
+                ranks=ranks,
+                interface=self._gloo_interface,
             )
         except RuntimeError as e:  # a peer that never connected: dead or hung
             outcome = failure_words(str(e), time.monotonic() - start, self.timeout_s)
@@ -868,16 +981,14 @@ class ElasticJob:
             ) from e
 
     def _started(self) -> bool:
-        """Whether a worker set of this job has formed (then newcomers knock)."""
-        try:
-            return bool(self._job_store().check([_STARTED]))
-        except dist.DistError:
-            return False  # the store lost: next_round says so
-
-    def _job_store(self) -> dist.Store:
+        """Whether the job has a record (Note [Fencing a job], vflow/elastic/record.py):
+        then newcomers knock."""
         if self._rendezvous is None:
             raise RuntimeError("ElasticJob is not running")
-        return self._rendezvous.job_store
+        try:
+            return self._rendezvous.record() is not None
+        except dist.DistError:
+            return False  # the store lost: next_round says so
 
     def _train(
         self,
@@ -891,12 +1002,27 @@ class ElasticJob:
         (smaller after leaves)."""
         rnd = workers.round
         while ex.step_count < steps:
+            fenced = rdzv.fenced()
+            if fenced is not None:
+                self._save_and_raise(
+                    ex,
+                    RuntimeError("fenced"),
+                    f"the store at {self.rendezvous} gives the job to another worker set "
+                    f"(record {fenced}) that claimed it while this set could not reach the "
+                    f"store; this worker set stopped at step {ex.step_count} (Note [Fencing a "
+                    "job] in vflow/elastic/record.py)",
+                    "",
+                )
             if rdzv.evicted():
                 _log.warning(
                     "vflow elastic: this worker's heartbeats lapsed and round %d dropped it; "
                     "re-forming the worker set",
                     rnd.number,
                 )
+                # Its group goes at once (Note [Recovering within the round]): a peer
+                # still blocked on it fails now, not at its timeout.
+                self._nccl_group = None
+                ex.abort_group()
                 return _Outcome("crash", time.monotonic(), ex.world_size, evicted=True), workers
             # A full worker set does not look at who waits (they wait for a place).
             room = len(workers.ranks) < min(self.max_workers, ex.virtual_nodes)
@@ -944,6 +1070,7 @@ class ElasticJob:
                     )
                     _log.debug("vflow elastic: shrinking after step %d: %s", step, e)
                     return _Outcome("crash", seen, len(workers.ranks)), workers
+                self._publish(rdzv, ex, workers)
                 self._record(_Outcome("leave", seen), ex, rnd.number)
                 if ex.world_size < self.min_workers:
                     return _Outcome("few", time.monotonic(), ex.world_size), workers
@@ -1038,6 +1165,28 @@ class ElasticJob:
         raise RuntimeError(f"job {self.job_id!r}: {what}{saved}") from error
 
 
+def _newcomer_ranks(store: dist.Store, ranks: list[int], count: int) -> list[int]:
+    """Round ranks for ``count`` newcomers: negative (the round's own ranks are >= 0),
+    never used before in the round, handed out by a counter in the round's store. A
+    counter behind the set's own ranks (the store restarted and forgot it) first jumps
+    past them."""
+    used = int(store.add("vflow/newcomers", 0))
+    behind = max(0, -min([0, *ranks]) - used)
+    top = int(store.add("vflow/newcomers", behind + count))
+    return [-(top - i) for i in range(count)]
+
+
+def _connected(order: list[int], reach: dict[int, list[int]]) -> list[int]:
+    """The workers of ``order`` taken one by one, each kept if it and every worker kept
+    before it reach each other: a worker set whose every pair can talk (Note
+    [Recovering within the round])."""
+    kept: list[int] = []
+    for r in order:
+        if all(k in reach[r] and r in reach[k] for k in kept):
+            kept.append(r)
+    return kept
+
+
 def _say_nobody_joined(ex: Executor) -> None:
     # Every newcomer was refused or failed: the worker set did not change.
     _log.info(
@@ -1075,6 +1224,23 @@ def _prepare_nccl() -> None:
         else " makes NCCL's watchdog kill a worker whose collective fails, before vflow "
         "can recover: set it to 2",
     )
+
+
+def _interface(host: str, port: int, interface: str | None) -> tuple[str, str | None]:
+    """Note [The interface that reaches the store] (vflow/world/network.py): the
+    interface the job's collectives use, and the one to give Gloo (None when
+    ``GLOO_SOCKET_IFNAME`` chooses: Gloo reads it itself, lists of names included)."""
+    if interface is not None:
+        return network.check_interface(interface, "interface"), interface
+    chosen = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if chosen:
+        names = [network.check_interface(n, "GLOO_SOCKET_IFNAME") for n in chosen.split(",")]
+        return names[0], None
+    try:
+        name = network.route_interface(host, port)[0]
+    except RuntimeError as e:
+        raise ValueError(f"rendezvous: {e}") from None
+    return name, name
 
 
 def _positive(value: Any) -> bool:

@@ -5,7 +5,8 @@ vflow does not run a membership protocol of its own. It uses the engine torchrun
 last call, min/max nodes, the wait list), but inside long-lived worker processes: a new
 round re-forms the worker set without restarting anybody (Note [Rounds without
 restarts]). The store lives in a process of its own, ``python -m vflow rendezvous``
-(``serve``/``main`` here), so that no worker's death takes it down.
+(vflow/elastic/server.py), so that no worker's death takes it down; the job's record in
+it says which worker set owns the job (vflow/elastic/record.py).
 
 Note [Rounds without restarts]
 How the handler behaves, and what this module adds to use it from running workers:
@@ -27,15 +28,23 @@ How the handler behaves, and what this module adds to use it from running worker
   members agree on when to act by exchanging it in a step's statistics (vflow.elastic).
   The poller and ``next_round`` never use the handler at the same time.
 * Each round's store (``Round.store``) is the backend store under the prefix
-  ``vflow/<job>/round<N>``; process groups of the round live under further prefixes of
-  it (``round_group``), so keys of an old round never meet a new round.
+  ``vflow/<job>/<boot>/round<N>`` (``<boot>``: the store process's boot id, so that
+  rounds numbered again after a restart of the store never meet the old ones); process
+  groups of the round live under further prefixes of it (``round_group``), so keys of
+  an old round never meet a new round.
 
 Note [Two connections to the store]
 A TCPStore client sends one request at a time. Creating a process group waits on the
 store for every peer's address, up to the collective timeout when a peer died; on the
 connection that also carries the handler's heartbeats and the beats, that wait would
-starve them, and the rendezvous would drop this live worker. So the rounds' stores
-(groups, recovery keys) use a connection of their own.
+starve them, and the rendezvous would drop this live worker. And a request to a store
+that went silent holds its connection until it fails (``store_timeout_s``, Note [A
+store that goes silent] in vflow/world/store.py): a recovery whose request queued
+behind the poller's would wait for both. So each connection has one owner: the poller
+thread (and the handler it drives) uses its own, and the worker's main thread (the
+rounds' stores: groups, agreements, recovery keys, knocks, the job's record) the
+other; neither ever waits for the other's request. Only ``next_round`` and leaving use
+the handler from the main thread, under the poller's lock.
 * torchrun's agent makes the round's rank 0 host a TCP store for the workers
   (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` unset). vflow's store is the rendezvous
   store itself, so that sharing is switched off: a worker never hosts anything others
@@ -46,23 +55,37 @@ starve them, and the rendezvous would drop this live worker. So the rounds' stor
   of ``next_rendezvous``) and stops the heartbeats; ``shutdown()`` would close the
   rendezvous for everybody, so it is called only when the job is finished.
 
+Note [Restarts of the store]
+A store process that restarts (killed, started again at the same address) breaks every
+connection, and the new process knows nothing of the old one's keys. The poller finds
+its connection broken and connects again (one attempt of ``_RECONNECT_S`` per poll,
+for as long as it takes); the store's boot id tells a restart from a connection that
+merely broke. After a restart the worker keeps everything it had: its round (keys
+under the old boot id's prefix, now in the new store), its set and its handler, rewired
+to the new connection; it counts as let in by knocking (the new rendezvous has no
+round), so the heartbeats' view no longer speaks for it, and the beats and knocks start
+afresh. Its set re-registers the job (Note [Fencing a job], vflow/elastic/record.py),
+republishes its members and probes, and from then on grows, shrinks and recoveries
+work as before. Training never waited for any of it. A worker whose lineage lost the
+job meanwhile is fenced.
+
 The c10d store has no authentication: anybody who can reach its port can read and
-write the job's keys. ``serve`` listens on loopback only unless told otherwise (Note
-[Stores listen only where asked] in vflow/world/store.py).
+write the job's keys. ``python -m vflow rendezvous`` listens on loopback only unless
+told otherwise (Note [Stores listen only where asked] in vflow/world/store.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
+import logging
 import os
-import signal
 import socket
-import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timezone
 from typing import Any
 
 import torch
@@ -78,12 +101,18 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
+    _BackendRendezvousStateHolder,
+    _DistributedRendezvousOpExecutor,
     _RendezvousExitOp,
 )
 
-from vflow.world.store import format_endpoint, host_store
+from vflow.elastic import record as records
+from vflow.elastic.record import Record
+from vflow.world.network import ProbeListener, reachable
+from vflow.world.store import connect_store
 
 __all__ = [
+    "GONE_AFTER_S",
     "Rendezvous",
     "RendezvousClosedError",
     "RendezvousConnectionError",
@@ -91,10 +120,8 @@ __all__ = [
     "RendezvousStateError",
     "RendezvousTimeoutError",
     "Round",
-    "main",
     "parse_endpoint",
     "round_group",
-    "serve",
     "single_group",
 ]
 
@@ -103,12 +130,14 @@ __all__ = [
 # after keep_alive_s x keep_alive_attempts (2 s at least: it polls once a second). Crash
 # recovery within a round (vflow.elastic) needs to know sooner which of its peers are
 # gone, so the poller also adds 1 to a counter of this worker's in the round's store
-# every _POLL_S: a worker whose counter has not moved for GONE_AFTER_S is dead or
-# stopped. A live worker's poller needs the GIL for a moment every _POLL_S, which the
-# step's compute releases, so GONE_AFTER_S is several polls. It is most of what a crash
-# costs the survivors (benchmarks/elastic.py: 0.4 s of a 0.7 s stall); a live worker
-# wrongly judged gone is only left out and comes back as a grow, so the verdict is
-# made quick rather than certain.
+# every _POLL_S: a worker whose counter has not moved for GONE_AFTER_S is dead, stopped
+# or cut off from the store. The verdict is the observer's own monotonic clock against
+# a count, never a time another machine wrote, so clocks that disagree cannot make it.
+# A live worker's poller needs the GIL for a moment every _POLL_S, which the step's
+# compute releases, so GONE_AFTER_S is several polls. It is most of what a crash costs
+# the survivors (benchmarks/elastic.py: 0.4 s of a 0.7 s stall); a live worker wrongly
+# judged gone is only left out and comes back as a grow, so the verdict is made quick
+# rather than certain.
 _POLL_S = 0.1
 GONE_AFTER_S = 0.4
 
@@ -124,7 +153,13 @@ GONE_AFTER_S = 0.4
 _KNOCKS, _ANSWERED = "knocks", "answered"  # counters of tickets
 _KNOCK_POLL_S = 0.02  # a knocking worker looks for its answer this often
 _TICKETS_WATCHED = 16  # unanswered tickets whose knockers' beats the poller follows
-_CLOSED_POLL_S = 0.5  # and whether the job has finished, this often
+_RECORD_POLL_S = 0.5  # a knocker looks whether the job finished, a member whether it is fenced
+_MEMBERS = "members"  # job key: the current worker set's round prefix and ranks
+# One attempt to connect again to a store that broke the connection: long enough for a
+# store that is back, short enough that a poller retrying a dead one stays responsive.
+_RECONNECT_S = 1.0
+
+_log = logging.getLogger("vflow")
 
 
 def parse_endpoint(endpoint: object, name: str = "rendezvous") -> tuple[str, int]:
@@ -138,64 +173,25 @@ def parse_endpoint(endpoint: object, name: str = "rendezvous") -> tuple[str, int
     return host, int(port_text)
 
 
-def serve(host: str = "127.0.0.1", port: int = 0) -> dist.TCPStore:
-    """Hosts a c10d TCPStore for elastic jobs, listening on ``host:port`` only (port 0:
-    any free port); ``store.host`` is the address it listens on. The store has no
-    authentication; keep it on loopback or a trusted network (Note [Stores listen only
-    where asked], vflow/world/store.py). OSError naming ``host:port`` if it cannot."""
-    return host_store(host, port, timeout=datetime.timedelta(seconds=60))
-
-
-def main(argv: list[str]) -> int:
-    """``python -m vflow rendezvous``: hosts the store until SIGTERM or SIGINT."""
-    parser = argparse.ArgumentParser(
-        prog="python -m vflow rendezvous",
-        description=(
-            "Host the rendezvous store of elastic vflow jobs (workers: vflow.elastic). "
-            "Prints the 'HOST:PORT' it listens on as its first line and runs until SIGTERM or "
-            "Ctrl-C. The c10d store has no authentication: anyone who reaches the port can "
-            "read and change the jobs' state, so it listens only on the --host address "
-            "(loopback by default). Workers on other machines need that address and port "
-            "reachable."
-        ),
-    )
-    parser.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="the one address to listen on: IPv4, IPv6 or a hostname (default 127.0.0.1)",
-    )
-    parser.add_argument("--port", type=int, default=0, help="port (default: any free port)")
-    args = parser.parse_args(argv)
-    try:
-        store = serve(args.host, args.port)
-    except OSError as e:  # names the host and port already
-        print(f"python -m vflow rendezvous: {e}", file=sys.stderr)
-        return 1
-    except (RuntimeError, ValueError) as e:
-        print(
-            f"python -m vflow rendezvous: cannot listen on "
-            f"{format_endpoint(args.host, args.port)}: {e}",
-            file=sys.stderr,
-        )
-        return 1
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    # The address it listens on (a hostname resolved), so the line is what workers need.
-    print(format_endpoint(store.host, store.port), flush=True)
-    while not stop.wait(0.5):
-        pass
-    return 0
-
-
 @dataclass(frozen=True)
 class Round:
-    """One completed round: this worker's rank, the worker count and the round's store."""
+    """One completed round as this worker belongs to it: its number, this worker's rank
+    in it, the worker count (0 for a worker let in by knocking), the prefix of its keys
+    (``vflow/<job>/<boot>/round<N>``: a round number of one start of the store
+    process, so that keys of rounds before and after a restart never meet) and the
+    connection its keys are read and written on, which changes when the store restarts
+    (Note [Restarts of the store])."""
 
     number: int
     rank: int
     world_size: int
-    store: dist.Store
+    prefix: str
+    connection: Callable[[], dist.Store]
+
+    @property
+    def store(self) -> dist.Store:
+        """The round's keys, on this worker's current connection to the store."""
+        return dist.PrefixStore(self.prefix, self.connection())
 
 
 def round_group(
@@ -205,6 +201,7 @@ def round_group(
     backend: str = "gloo",
     name: str = "main",
     ranks: list[int] | None = None,
+    interface: str | None = None,
 ) -> dist.ProcessGroup:
     """A fresh process group of the round (Gloo on CPU, NCCL on GPU), built directly on
     the round's store without ``init_process_group``, as torchft does.
@@ -212,6 +209,8 @@ def round_group(
     ``ranks``: the round's ranks that form the group (default all), in their order;
     every one of them calls this with the same ``name`` and ``ranks``. This is how the
     members of a round shrink without a new round when some of them leave.
+    ``interface``: the network interface Gloo binds (Note [The interface that reaches the
+    store], vflow/world/network.py); None: Gloo's own choice.
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -220,13 +219,17 @@ def round_group(
         raise ValueError(f"ranks {members} do not include this worker's {rendezvous_round.rank}")
     rank, size = members.index(rendezvous_round.rank), len(members)
     store = dist.PrefixStore(f"vflow/{name}", rendezvous_round.store)
-    return _group_on(store, rank, size, timeout, backend, f"round {rendezvous_round.number}/{name}")
+    return _group_on(
+        store, rank, size, timeout, backend, f"round {rendezvous_round.number}/{name}", interface
+    )
 
 
 def single_group(timeout: datetime.timedelta) -> dist.ProcessGroup:
     """A Gloo group of this process alone, on a store of its own: what an elastic
-    worker builds its executor on before it joins (vflow.elastic)."""
-    return _group_on(dist.HashStore(), 0, 1, timeout, "gloo", "this worker alone")
+    worker builds its executor on before it joins (vflow.elastic). It talks to nobody,
+    so it binds loopback."""
+    loopback = next((n for _, n in socket.if_nameindex() if n.startswith("lo")), None)
+    return _group_on(dist.HashStore(), 0, 1, timeout, "gloo", "this worker alone", loopback)
 
 
 def _group_on(
@@ -236,10 +239,18 @@ def _group_on(
     timeout: datetime.timedelta,
     backend: str,
     name: str,
+    interface: str | None,
 ) -> dist.ProcessGroup:
     group = dist.ProcessGroup(store, rank, size)
     if backend == "gloo":
-        impl = dist.ProcessGroupGloo(store, rank, size, timeout)
+        if interface is None:
+            impl = dist.ProcessGroupGloo(store, rank, size, timeout)
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [dist.ProcessGroupGloo.create_device(interface=interface)]
+            options._timeout = timeout
+            options._threads = 2  # what the constructor without options uses per device
+            impl = dist.ProcessGroupGloo(store, rank, size, options)
         kind, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
     else:
         options = dist.ProcessGroupNCCL.Options()
@@ -253,11 +264,50 @@ def _group_on(
     return group
 
 
+# Note [Heartbeats across clocks]
+# torch's handler drops a participant whose last heartbeat is older than keep_alive_s
+# x keep_alive_attempts, comparing the time that participant wrote (its wall clock)
+# with the reader's wall clock. Across machines whose clocks disagree by more than
+# that window, the worker whose clock is ahead finds every other heartbeat expired and
+# removes the others from the round while they live: measured here with one host 30 s
+# ahead (faketime). vflow's handler judges a heartbeat by whether it *changes* instead:
+# the reader notes, on its own monotonic clock, when it last saw each participant's
+# heartbeat value change, and drops a participant whose value stood still for the
+# window. No time of another machine is compared with this machine's. A participant
+# first seen now gets the whole window. (The last call's deadline is still a wall-clock
+# time written by one participant: across skewed clocks the first round's last call is
+# longer or shorter, which changes who is in it, not whether it forms.)
+class _ClockFreeStateHolder(_BackendRendezvousStateHolder):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._changed: dict[Any, tuple[Any, float]] = {}  # node: (heartbeat, when it changed)
+
+    def _sanitize(self) -> None:
+        state = self._state
+        now = time.monotonic()
+        changed = {}
+        for node, beat in state.last_heartbeats.items():
+            seen = self._changed.get(node)
+            changed[node] = seen if seen is not None and seen[0] == beat else (beat, now)
+        self._changed = changed
+        original = dict(state.last_heartbeats)
+        # torch's verdict, on heartbeats restated in this machine's clock: the time each
+        # value was last seen to change here.
+        wall = datetime.datetime.now(timezone.utc)
+        for node, (_, since) in changed.items():
+            state.last_heartbeats[node] = wall - datetime.timedelta(seconds=now - since)
+        super()._sanitize()
+        for node in state.last_heartbeats:
+            state.last_heartbeats[node] = original[node]
+
+
 class Rendezvous:
     """A worker's handle on the membership of job ``job_id`` at ``endpoint``
     (``"HOST:PORT"`` of ``python -m vflow rendezvous``). See Note [Rounds without
     restarts]. Connecting fails with a RuntimeError naming the endpoint when the store
-    cannot be reached within ``store_timeout_s``."""
+    cannot be reached within ``store_timeout_s``. ``probe_address``: the address of the
+    interface this worker's collectives use, where it answers its peers' probes (Note
+    [Probing a peer], vflow/world/network.py)."""
 
     def __init__(
         self,
@@ -271,19 +321,30 @@ class Rendezvous:
         keep_alive_s: float,
         keep_alive_attempts: int,
         store_timeout_s: float,
+        probe_address: str = "127.0.0.1",
     ) -> None:
-        host, port = parse_endpoint(endpoint)
+        self._host, self._port = parse_endpoint(endpoint)
+        self.endpoint = endpoint
+        self.job_id = job_id
+        self.store_timeout_s = store_timeout_s
+        self._handler_options = {
+            "min_nodes": min_workers,
+            "max_nodes": max_workers,
+            "timeout": RendezvousTimeout(
+                join=datetime.timedelta(seconds=join_timeout_s),
+                last_call=datetime.timedelta(seconds=last_call_s),
+                close=datetime.timedelta(seconds=max(store_timeout_s, 5.0)),
+                heartbeat=datetime.timedelta(seconds=max(keep_alive_s, 1.0)),
+            ),
+            "keep_alive_interval": keep_alive_s,
+            "keep_alive_max_attempt": keep_alive_attempts,
+        }
         try:
             # Two connections (Note [Two connections to the store]).
-            self._store, self._round_connection = (
-                dist.TCPStore(
-                    host,
-                    port,
-                    is_master=False,
-                    timeout=datetime.timedelta(seconds=store_timeout_s),
-                    use_libuv=True,
-                )
-                for _ in range(2)
+            poll, main = (self._client(store_timeout_s) for _ in range(2))
+            boot = records.boot_id(main)
+            journal = (
+                main.get(records.JOURNAL_KEY).decode() if main.check([records.JOURNAL_KEY]) else ""
             )
         except (RuntimeError, OSError) as e:
             raise RuntimeError(
@@ -292,37 +353,233 @@ class Rendezvous:
             ) from e
         # Note [Rounds without restarts]: no worker hosts a store for the others.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        self.endpoint = endpoint
-        self.job_id = job_id
-        self._handler = DynamicRendezvousHandler.from_backend(
-            run_id=job_id,
-            store=self._store,
-            backend=C10dRendezvousBackend(self._store, job_id),
-            min_nodes=min_workers,
-            max_nodes=max_workers,
-            local_addr=socket.gethostname(),
-            timeout=RendezvousTimeout(
-                join=datetime.timedelta(seconds=join_timeout_s),
-                last_call=datetime.timedelta(seconds=last_call_s),
-                close=datetime.timedelta(seconds=max(store_timeout_s, 5.0)),
-                heartbeat=datetime.timedelta(seconds=max(keep_alive_s, 1.0)),
-            ),
-            keep_alive_interval=keep_alive_s,  # type: ignore[arg-type]  # a float works
-            keep_alive_max_attempt=keep_alive_attempts,
-        )
-        self._lock = threading.Lock()  # the poller and next_round never overlap
-        # Job-wide keys of vflow's own (Note [Joining a running job], vflow/elastic/job.py),
-        # read by the poller: on the connection no long wait ever holds.
-        self._job = dist.PrefixStore(f"vflow/{job_id}", self._store)
-        self._adopted = False
+        self.journal = journal  # the store's journal ("": none)
+        self._lock = threading.Lock()  # the poller and the handler's users never overlap
+        self._reconnecting = threading.Lock()
         self._waiting = 0
+        self._wait_list = 0
         self._knock_beats: dict[int, tuple[int, float]] = {}  # ticket: beat, when it moved
         self._evicted = False
+        self._adopted = False
         self._in_round = False
         self._round: Round | None = None
+        self._lineage: Record | None = None  # the job's record as this worker set holds it
+        self._fenced: Record | None = None
+        self._members: str | None = None  # what this worker last published as _MEMBERS
+        self._lost_since: float | None = None
+        self._next_record_look = 0.0
+        self._handler: DynamicRendezvousHandler | None = None
+        self._install(poll, main, boot)
+        self._probe = ProbeListener(probe_address)
         self._closed = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="vflow-rendezvous", daemon=True)
         self._poller.start()
+
+    # ---- connections (Note [Restarts of the store]) -----------------------------------
+
+    def _client(self, connect_s: float) -> dist.TCPStore:
+        # A silent store fails a request within store_timeout_s (Note [A store that
+        # goes silent], vflow/world/store.py).
+        return connect_store(
+            self._host,
+            self._port,
+            connect_s=connect_s,
+            timeout_s=self.store_timeout_s,
+            silence_s=self.store_timeout_s,
+        )
+
+    def _install(self, poll: dist.Store, main: dist.Store, boot: str) -> None:
+        """Puts this worker on new connections: the first ones, or after the old ones
+        broke. The handler stays the same (its node keeps its name in the rendezvous)
+        and is rewired to the new connection."""
+        backend = C10dRendezvousBackend(poll, self.job_id)
+        if self._handler is None:
+            handler = DynamicRendezvousHandler.from_backend(
+                run_id=self.job_id,
+                store=poll,
+                backend=backend,
+                local_addr=socket.gethostname(),
+                **self._handler_options,  # type: ignore[arg-type]  # a float interval works
+            )
+            # Note [Heartbeats across clocks].
+            holder = _ClockFreeStateHolder(backend, handler._settings)
+            handler._state_holder = holder
+            handler._op_executor = _DistributedRendezvousOpExecutor(
+                handler._this_node, holder, handler._settings
+            )
+            self._handler = handler
+        else:
+            self._handler._store = poll
+            self._handler._state_holder._backend = backend
+        self._poll_store, self._main_store, self._boot = poll, main, boot
+        # The job's own keys on the poller's connection (the poller's alone).
+        self._poll_job = dist.PrefixStore(f"vflow/{self.job_id}", poll)
+
+    def _main(self) -> dist.Store:
+        return self._main_store
+
+    @property
+    def job_store(self) -> dist.Store:
+        """The job's own keys (under ``vflow/<job>``), on the connection of the calling
+        (main) thread, which the poller never uses."""
+        return dist.PrefixStore(f"vflow/{self.job_id}", self._main_store)
+
+    def store_lost(self) -> bool:
+        """Whether the poller found the store unreachable and has not reached it since."""
+        return self._lost_since is not None
+
+    def reconnect(self) -> bool:
+        """Note [Restarts of the store]: one attempt to connect again after the store
+        broke the connections; returns whether this worker is connected now. After a
+        restart (a new boot id), this worker's set re-registers the job."""
+        with self._reconnecting:
+            if self._lost_since is None:
+                return True
+            try:
+                poll, main = self._client(_RECONNECT_S), self._client(_RECONNECT_S)
+                boot = records.boot_id(main)
+            except Exception:
+                return False
+            restarted = boot != self._boot
+            with self._lock:
+                self._install(poll, main, boot)
+                if restarted:
+                    # The new store's rendezvous has no round: this worker stays in its
+                    # own (its keys travel with it), like a worker let in by knocking.
+                    self._adopted = True
+                    self._knock_beats = {}
+            try:
+                if restarted:
+                    self._reregister()
+                self._republish()
+            except Exception:
+                return False
+            self._lost_since = None
+            _log.log(
+                logging.WARNING if restarted else logging.INFO,
+                "vflow elastic: the rendezvous store at %s %s",
+                self.endpoint,
+                "restarted; this worker set re-registered the job"
+                if restarted and self._lineage is not None
+                else "is reachable again",
+            )
+            return True
+
+    def _lost(self, error: Exception) -> None:
+        if self._lost_since is None:
+            self._lost_since = time.monotonic()
+            _log.debug("vflow elastic: the rendezvous store at %s: %s", self.endpoint, error)
+
+    # ---- the job's record (Note [Fencing a job], vflow/elastic/record.py) ------------
+
+    def record(self) -> Record | None:
+        """The job's record in the store now, or None."""
+        key = records.record_key(self.job_id)
+        store = self._main_store
+        return records.parse(store.get(key)) if store.check([key]) else None
+
+    def claim(self, lineage: str) -> Record:
+        """Claims the job for the worker set of ``lineage`` (its start): returns the
+        record that stands, this lineage's or the one that claimed the job first. On a
+        journaled store it returns once the journal holds the claim."""
+        store = self._main_store
+        want = records.encode(records.running(lineage, 1))
+        got = records.parse(store.compare_set(records.record_key(self.job_id), "", want))
+        assert got is not None
+        if got["lineage"] == lineage:
+            store.append(records.JOBS_KEY, self.job_id + "\n")
+            self._lineage = got
+            if self.journal:
+                self._await_journal(records.encode(got))
+        return got
+
+    def _await_journal(self, encoded: str) -> None:
+        key = records.journaled_key(self.job_id)
+        deadline = time.monotonic() + self.store_timeout_s
+        store = self._main_store
+        while not (store.check([key]) and store.get(key).decode() == encoded):
+            if time.monotonic() > deadline:
+                raise RendezvousConnectionError(
+                    f"the store at {self.endpoint} did not write job {self.job_id!r} to its "
+                    f"journal ({self.journal}) within {self.store_timeout_s:g} s"
+                )
+            time.sleep(_KNOCK_POLL_S)
+
+    def joined(self, record: Record) -> None:
+        """This worker belongs to the worker set of ``record`` (a newcomer learns it from
+        the members' answer or from the store)."""
+        self._lineage = dict(record)
+
+    @property
+    def lineage(self) -> Record | None:
+        return self._lineage
+
+    def fenced(self) -> Record | None:
+        """The record that fenced this worker set (another lineage, or the job finished
+        without it), as the poller last read it; None while the job is this set's."""
+        return self._fenced
+
+    def _reregister(self) -> None:
+        """After the store restarted: puts this worker set's record back (Note [Fencing
+        a job]), or notes that another lineage holds the job."""
+        mine = self._lineage
+        if mine is None:
+            return
+        store, key = self._main_store, records.record_key(self.job_id)
+        for _ in range(8):
+            raw = store.get(key).decode() if store.check([key]) else ""
+            current = records.parse(raw)
+            if current is None or (
+                current["lineage"] == mine["lineage"] and current.get("restored")
+            ):
+                epoch = max(mine["epoch"], current["epoch"] if current else 0) + 1
+                want = records.encode(records.running(mine["lineage"], epoch))
+                if store.compare_set(key, raw, want).decode() == want:
+                    store.append(records.JOBS_KEY, self.job_id + "\n")
+                    self._lineage = records.parse(want)
+                    return
+                continue  # another member wrote first: read what it wrote
+            if current["lineage"] == mine["lineage"] and current["state"] == "running":
+                self._lineage = current
+                return
+            self._fenced = current
+            return
+
+    def _look_at_record(self) -> None:
+        mine = self._lineage
+        if mine is None:
+            return
+        key = records.record_key(self.job_id)
+        raw = self._poll_store.get(key) if self._poll_store.check([key]) else b""
+        current = records.parse(raw)
+        if current is None or current.get("restored"):
+            return  # a restart not seen yet on this connection: the reconnection decides
+        if current["lineage"] != mine["lineage"] or current["state"] != "running":
+            self._fenced = current
+
+    def release(self, lineage: str) -> None:
+        """Gives up the claim of ``lineage`` on the job, which nobody trained (its first
+        worker set failed to form): the next round claims it again."""
+        mine = self._lineage
+        if mine is not None and mine["lineage"] == lineage:
+            self._main_store.compare_set(records.record_key(self.job_id), records.encode(mine), "")
+            self._lineage = None
+
+    def finish_record(self) -> None:
+        """Marks the job finished, if the record is this worker set's (every member
+        writes the same bytes; the epoch is whatever the set re-registered last)."""
+        mine = self._lineage
+        if mine is None:
+            return
+        store, key = self._main_store, records.record_key(self.job_id)
+        raw = store.get(key).decode() if store.check([key]) else ""
+        current = records.parse(raw)
+        if current is None or current["lineage"] != mine["lineage"]:
+            return
+        done = {k: v for k, v in current.items() if k != "restored"}
+        store.compare_set(key, raw, records.encode(dict(done, state="finished")))
+
+    # ---- rounds ----------------------------------------------------------------------
 
     def next_round(self) -> Round:
         """Leaves the current round (if any) and joins the next; returns once it is
@@ -340,45 +597,144 @@ class Rendezvous:
             self._waiting = 0
             self._evicted = False
             self._adopted = False
-            self._round = Round(number, info.rank, info.world_size, self._round_store(number))
+            prefix = f"vflow/{self.job_id}/{self._boot}/round{number}"
+            self._round = Round(number, info.rank, info.world_size, prefix, self._main)
+            self._say_probe()
             self._in_round = True
         return self._round
+
+    def adopt(self, prefix: str, number: int, rank: int) -> Round:
+        """The round a worker let in by the members now belongs to (it is not a
+        participant of the rendezvous' round: the heartbeats' view of it is not its)."""
+        with self._lock:
+            self._waiting = 0
+            self._evicted = False
+            self._adopted = True
+            self._round = Round(number, rank, 0, prefix, self._main)
+            self._say_probe()
+            self._in_round = True
+        return self._round
+
+    def _say_probe(self) -> None:
+        rnd = self._round
+        assert rnd is not None
+        self._main_store.set(_probe_key(rnd, rnd.rank), self._probe.endpoint)
+
+    @property
+    def probe_endpoint(self) -> str:
+        """Where this worker answers probes (Note [Probing a peer])."""
+        return self._probe.endpoint
+
+    def publish_members(self, ranks: list[int]) -> None:
+        """Says which of the round's ranks form the worker set now (its lowest member
+        calls this), so that a knocker can probe them first."""
+        rnd = self._round
+        assert rnd is not None
+        self._members = json.dumps({"prefix": rnd.prefix, "ranks": ranks})
+        self.job_store.set(_MEMBERS, self._members)
+
+    def _republish(self) -> None:
+        """After reconnecting: this worker's probe, and the members if it published them."""
+        if self._in_round and self._round is not None:
+            self._say_probe()
+            if self._members is not None:
+                self.job_store.set(_MEMBERS, self._members)
+
+    def member_probes(self) -> list[str]:
+        """The probe endpoints of the running worker set's members, as far as published."""
+        job = self.job_store
+        if not job.check([_MEMBERS]):
+            return []
+        members = json.loads(job.get(_MEMBERS))
+        keys = [f"{members['prefix']}/probe/{r}" for r in members["ranks"]]
+        store = self._main_store
+        return [store.get(key).decode() for key in keys if store.check([key])]
+
+    # ---- knocking (Note [Joining a running job], vflow/elastic/job.py) ---------------
 
     def knock(self, timeout_s: float) -> dict[str, Any] | None:
         """Asks the running job's worker set to take this worker in, without a round
         (Note [Joining a running job], vflow/elastic/job.py); returns the members'
         answer, or None when the job finished first. Raises RendezvousTimeoutError
-        after ``timeout_s``."""
+        after ``timeout_s``, also when this worker cannot reach a member (Note [Probing
+        a peer])."""
+        # Out of any round it was in: its poller no longer beats there, so that peers
+        # recovering without it do not wait for it (Note [Beats]).
+        with self._lock:
+            self._in_round = False
+            self._round = None
         deadline = time.monotonic() + timeout_s
+        said_restored = False
         while True:
-            ticket = int(self._job.add(_KNOCKS, 1))
+            if not self._await_reachable_members(deadline):
+                return None
+            job = self.job_store
+            ticket = int(job.add(_KNOCKS, 1))
             answer_key = f"admit/{ticket}"
             next_look = next_beat = 0.0
-            while not self._job.check([answer_key]):
+            while not job.check([answer_key]):
                 now = time.monotonic()
                 if now >= next_beat:  # Note [Knockers beat too]
-                    self._job.add(_knock_beat_key(ticket), 1)
+                    job.add(_knock_beat_key(ticket), 1)
                     next_beat = now + _POLL_S
                 if now >= next_look:
-                    with self._lock:
-                        if self._handler.is_closed():
-                            return None
-                    next_look = now + _CLOSED_POLL_S
+                    current = self.record()
+                    if current is not None and current["state"] != "running":
+                        return None
+                    if current is not None and current.get("restored") and not said_restored:
+                        said_restored = True
+                        _log.warning(
+                            "vflow elastic: job %r ran on the store at %s before the store "
+                            "restarted, and its workers have not re-registered yet; waiting "
+                            "for them (up to join_timeout_s=%g s). If they are gone, start the "
+                            "job under a new id (from its checkpoint)",
+                            self.job_id,
+                            self.endpoint,
+                            timeout_s,
+                        )
+                    next_look = now + _RECORD_POLL_S
                 if now > deadline:
                     raise RendezvousTimeoutError(
                         f"no answer to this worker's request to join within {timeout_s:g} s"
                     )
                 time.sleep(_KNOCK_POLL_S)
-            answer = json.loads(self._job.get(answer_key))
+            answer = json.loads(job.get(answer_key))
             if not answer.get("again"):
                 return dict(answer, ticket=ticket)
+
+    def _await_reachable_members(self, deadline: float) -> bool:
+        """Waits until this worker reaches every member of the running set (Note
+        [Probing a peer]): a worker that cannot would only make the members' next group
+        fail. Returns False when the job finished meanwhile; raises
+        RendezvousTimeoutError naming the members it cannot reach at ``deadline``."""
+        said = False
+        while True:
+            current = self.record()
+            if current is not None and current["state"] != "running":
+                return False
+            endpoints = self.member_probes()
+            cut = [e for e, ok in zip(endpoints, reachable(endpoints), strict=True) if not ok]
+            if not cut:
+                return True
+            if time.monotonic() > deadline:
+                raise RendezvousTimeoutError(
+                    f"this worker cannot reach the job's workers at {', '.join(cut)} (a "
+                    "partition, or a link down?); it did not ask to join"
+                )
+            if not said:
+                said = True
+                _log.warning(
+                    "vflow elastic: this worker cannot reach the job's workers at %s; it asks "
+                    "to join once it can",
+                    ", ".join(cut),
+                )
+            time.sleep(1.0)
 
     def pending(self, room: int) -> list[int]:
         """The tickets of workers that knocked, were not answered yet and still beat
         (Note [Knockers beat too]), oldest first, at most ``room``."""
-        answered, knocks = self._tickets()
-        with self._lock:
-            live = [t for t in range(answered + 1, knocks + 1) if not self._knocker_gone(t)]
+        answered, knocks = _tickets(self.job_store)
+        live = [t for t in range(answered + 1, knocks + 1) if not self._knocker_gone(t)]
         return live[: max(room, 0)]
 
     def _knocker_gone(self, ticket: int) -> bool:
@@ -386,59 +742,38 @@ class Rendezvous:
         return seen is not None and time.monotonic() - seen[1] >= GONE_AFTER_S
 
     def _watch_knockers(self, answered: int, knocks: int) -> int:
-        """Reads the beats of the unanswered tickets' knockers (the poller, under the
-        lock); returns how many of them still beat."""
+        """Reads the beats of the unanswered tickets' knockers (the poller); returns how
+        many of them still beat."""
         now = time.monotonic()
         watched = range(answered + 1, min(knocks, answered + _TICKETS_WATCHED) + 1)
-        beats = {t: int(self._job.add(_knock_beat_key(t), 0)) for t in watched}
+        beats = {t: int(self._poll_job.add(_knock_beat_key(t), 0)) for t in watched}
+        # Replaced whole: the main thread reads it without the lock.
         self._knock_beats = {
             t: seen if (seen := self._knock_beats.get(t)) and seen[0] == beat else (beat, now)
             for t, beat in beats.items()
         }
         return knocks - answered - sum(self._knocker_gone(t) for t in watched)
 
-    def _tickets(self) -> tuple[int, int]:
-        """The highest ticket answered and the highest taken."""
-        return int(self._job.add(_ANSWERED, 0)), int(self._job.add(_KNOCKS, 0))
-
     def wait_list(self) -> int:
-        """Workers on the rendezvous' wait list now (a store round trip)."""
-        with self._lock:
-            return int(self._handler.num_nodes_waiting())
+        """Workers on the rendezvous' wait list, as the poller last saw them."""
+        return self._wait_list
 
     def answer(self, tickets: list[int], answers: list[dict[str, Any]]) -> None:
         """Writes the members' answer to each ticket (every member writes the same)."""
         self._waiting = 0  # they are answered: not waiting any more
+        job = self.job_store
         for ticket, answer in zip(tickets, answers, strict=True):
-            self._job.set(f"admit/{ticket}", json.dumps(answer))
+            job.set(f"admit/{ticket}", json.dumps(answer))
         top = max(tickets)
-        for ticket in range(int(self._job.add(_ANSWERED, 0)) + 1, top):
+        for ticket in range(int(job.add(_ANSWERED, 0)) + 1, top):
             if ticket not in tickets:  # judged gone: should it still live, it knocks again
-                self._job.set(f"admit/{ticket}", json.dumps({"again": True}))
+                job.set(f"admit/{ticket}", json.dumps({"again": True}))
         # Raised to ``top`` with compare-and-set: the members write at the same time.
-        answered = int(self._job.add(_ANSWERED, 0))
+        answered = int(job.add(_ANSWERED, 0))
         while answered < top:
-            answered = int(self._job.compare_set(_ANSWERED, str(answered), str(top)))
+            answered = int(job.compare_set(_ANSWERED, str(answered), str(top)))
 
-    def adopt(self, number: int, rank: int) -> Round:
-        """The round a worker let in by the members now belongs to (it is not a
-        participant of the rendezvous' round: the heartbeats' view of it is not its)."""
-        with self._lock:
-            self._waiting = 0
-            self._evicted = False
-            self._adopted = True
-            self._round = Round(number, rank, 0, self._round_store(number))
-            self._in_round = True
-        return self._round
-
-    def _round_store(self, number: int) -> dist.Store:
-        return dist.PrefixStore(f"vflow/{self.job_id}/round{number}", self._round_connection)
-
-    @property
-    def job_store(self) -> dist.Store:
-        """The job's own keys (under ``vflow/<job>``), on the connection the poller uses:
-        quick requests only, never a long wait."""
-        return self._job
+    # ---- what the poller saw ---------------------------------------------------------
 
     def waiting(self) -> int:
         """Workers waiting to join, as last seen by the poller (0 outside a round)."""
@@ -450,16 +785,20 @@ class Rendezvous:
         rnd = self._round
         if rnd is None:
             raise RuntimeError("beats() outside a round")
-        return {r: int(self._job.add(_beat_key(rnd, r), 0)) for r in ranks}
+        store = self._main_store
+        return {r: int(store.add(_beat_key(rnd, r), 0)) for r in ranks}
 
     def evicted(self) -> bool:
         """Whether the rendezvous dropped this worker from its round (its heartbeats
         lapsed): it must join the next round, or two worker sets could train apart."""
         return self._evicted
 
+    # ---- ending ----------------------------------------------------------------------
+
     def leave(self) -> None:
         """Leaves the current round without ending the job; the others go on."""
-        self._stop()
+        if not self._stop():
+            return
         with self._lock:
             self._handler._stop_heartbeats()
             deadline = time.monotonic() + self._handler.settings.timeout.close.total_seconds()
@@ -469,44 +808,82 @@ class Rendezvous:
                 pass
 
     def finish(self) -> None:
-        """Ends the job's rendezvous: waiting and later workers get RendezvousClosedError."""
-        self._stop()
+        """Ends the job: its record says finished, and waiting and later workers learn
+        that the job is over."""
+        if not self._stop():
+            return
+        try:
+            self.finish_record()
+        except dist.DistError:
+            pass  # the store lost at the very end: knockers learn it from their own errors
         with self._lock:
             self._handler.shutdown()
 
     def close(self) -> None:
         """Stops the poller and the heartbeats (a worker that raises)."""
-        self._stop()
-        with self._lock:
-            self._handler._stop_heartbeats()
+        if self._stop():
+            with self._lock:
+                self._handler._stop_heartbeats()
 
-    def _stop(self) -> None:
+    def _stop(self) -> bool:
+        """Stops the poller, the probe and, when the store is unreachable, the handler's
+        heartbeats; returns whether the store is reachable. Every wait here is bounded:
+        a request to a silent store fails within ``store_timeout_s`` (Note [A store that
+        goes silent], vflow/world/store.py), and no thread is left inside one when the
+        process exits."""
         self._closed.set()
+        self._probe.close()
         if self._poller.is_alive() and self._poller is not threading.current_thread():
-            self._poller.join()
+            self._poller.join(timeout=4 * _POLL_S)
+            if self._poller.is_alive():  # inside a request to a store that does not answer
+                self._lost(TimeoutError("the rendezvous store does not answer"))
+                self._poller.join(timeout=self.store_timeout_s + 1.0)
+        if self._lost_since is not None:
+            self._handler._stop_heartbeats()
+            return False
+        return True
 
     def _poll(self) -> None:
         while not self._closed.wait(_POLL_S):
+            if self._lost_since is not None:
+                self.reconnect()
+                continue
             with self._lock:
                 if not self._in_round or self._round is None:
                     continue
                 try:
-                    self._job.add(_beat_key(self._round, self._round.rank), 1)
-                    knocking = self._watch_knockers(*self._tickets())
-                    # num_nodes_waiting syncs the handler's state.
-                    self._waiting = self._handler.num_nodes_waiting() + knocking
-                    state = self._handler._state_holder.state
-                    self._evicted = (
-                        not self._adopted and self._handler._this_node not in state.participants
-                    )
-                except Exception:
-                    # A store that went away shows in the next round; the step's own
-                    # collectives are not affected by it.
+                    self._poll_once(self._round)
+                except Exception as e:
+                    # Training needs no store (Note [The store during a round]): the
+                    # poller reconnects on its next turn.
                     self._waiting = 0
+                    self._lost(e)
+
+    def _poll_once(self, rnd: Round) -> None:
+        self._poll_store.add(_beat_key(rnd, rnd.rank), 1)
+        knocking = self._watch_knockers(*_tickets(self._poll_job))
+        # num_nodes_waiting syncs the handler's state.
+        self._wait_list = self._handler.num_nodes_waiting()
+        self._waiting = self._wait_list + knocking
+        state = self._handler._state_holder.state
+        self._evicted = not self._adopted and self._handler._this_node not in state.participants
+        now = time.monotonic()
+        if now >= self._next_record_look:
+            self._next_record_look = now + _RECORD_POLL_S
+            self._look_at_record()
+
+
+def _tickets(job: dist.Store) -> tuple[int, int]:
+    """The highest ticket answered and the highest taken."""
+    return int(job.add(_ANSWERED, 0)), int(job.add(_KNOCKS, 0))
 
 
 def _beat_key(rnd: Round, rank: int) -> str:
-    return f"round{rnd.number}/beat/{rank}"
+    return f"{rnd.prefix}/beat/{rank}"
+
+
+def _probe_key(rnd: Round, rank: int) -> str:
+    return f"{rnd.prefix}/probe/{rank}"
 
 
 def _knock_beat_key(ticket: int) -> str:

@@ -44,7 +44,9 @@ from __future__ import annotations
 import collections
 import copy
 import io
+import logging
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +56,7 @@ import torch
 from vflow.world.group import World, fingerprint
 
 _AGREEMENT = "checking that all ranks agree on the plan and the model"
+_log = logging.getLogger("vflow")
 
 
 @dataclass(frozen=True)
@@ -219,7 +222,17 @@ def _send_state(
     if world.rank != source:
         header_bytes = int(sizes[0])
         data = torch.empty(int(sizes[1]), dtype=torch.uint8, device=world.device)
-    world.broadcast_own(source, data, "broadcast of the training state to new members")
+    started = time.monotonic()
+    # Note [Sending the training state]: chunk by chunk, each bounded by the timeout.
+    for at in range(0, data.numel(), STATE_CHUNK_BYTES):
+        chunk = data[at : at + STATE_CHUNK_BYTES]
+        world.broadcast_own(source, chunk, "broadcast of the training state to new members")
+    _log.debug(
+        "vflow: the training state (%d bytes) %s in %.3f s",
+        data.numel(),
+        "sent" if world.rank == source else "received",
+        time.monotonic() - started,
+    )
     error: Exception | None = None
     undo: Callable[[], None] | None = None
     if not up_to_date:
@@ -274,7 +287,13 @@ def deserialize(data: bytes) -> object:
 # the members stood still (benchmarks/elastic.py's grow). Whoever receives a state
 # always knows its size first, so it takes part in every broadcast even when the
 # header turns out unreadable; it then fails to load, like any bad state.
+# The buffer crosses in chunks of STATE_CHUNK_BYTES, one broadcast each, and the timeout
+# bounds each chunk, not the whole: a state of many gigabytes over a slow link takes
+# what its bandwidth says (benchmarks/faults.py, the slow link), while a peer that stops
+# is still noticed within the timeout. A chunk must cross the slowest link within
+# timeout_s: 8 MB at 10 s is 6.4 Mbit/s.
 _ALIGN = 64
+STATE_CHUNK_BYTES = 8 << 20
 
 
 def pack_state(state: object, device: torch.device) -> tuple[torch.Tensor, int]:

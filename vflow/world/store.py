@@ -1,4 +1,5 @@
-"""The c10d ``TCPStore`` servers vflow hosts, listening on exactly the address asked for.
+"""The c10d ``TCPStore`` servers vflow hosts, listening on exactly the address asked for,
+and the clients vflow connects to a store that may go silent.
 
 Note [Stores listen only where asked]
 The c10d store has no authentication: whoever reaches its port can read and write every
@@ -14,12 +15,13 @@ on its ``--host``.
 
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["format_endpoint", "host_store"]
+__all__ = ["connect_store", "format_endpoint", "host_store"]
 
 
 def host_store(host: str, port: int, *, timeout: timedelta) -> dist.TCPStore:
@@ -76,3 +78,76 @@ def _listen(host: str, port: int) -> socket.socket:
             sock.close()
             errors.append(f"{address[0]}: {e.strerror or e}")
     raise OSError(f"{where}: " + "; ".join(errors))
+
+
+# Note [A store that goes silent]
+# A TCPStore client's request to a store whose host went silent (a link down, a
+# partition, a power cut: no reset comes back) blocks until the kernel gives up on the
+# connection, about 15 minutes by Linux's default retransmissions: the client's
+# timeout bounds waits for keys, not a request nobody answers (measured here with
+# torch 2.13: check, add, get, compare_set and multi_get all blocked past 25 s with a
+# 3 s timeout on a host whose link went down). vflow cannot reach into the client, but
+# it can into the client's socket: ``connect_store`` sets TCP_USER_TIMEOUT on it
+# (sent data unacknowledged for that long fails the connection) and TCP keepalive
+# probes (an idle connection to a silent host fails in about as long), so every
+# request on that connection fails with "Connection timed out" within
+# ``silence_s`` of the store going silent, including the requests C++ makes on it (a
+# process group's creation). A store that is only slow to answer is not affected:
+# its kernel acknowledges what it receives. Linux only (elsewhere the sockets are left
+# as they are).
+
+
+def connect_store(
+    host: str, port: int, *, connect_s: float, timeout_s: float, silence_s: float
+) -> dist.TCPStore:
+    """A TCPStore client of ``host:port``: connecting waits up to ``connect_s``, waits
+    for keys up to ``timeout_s``, and a store that goes silent fails its requests within
+    about ``silence_s`` (Note [A store that goes silent])."""
+    store = dist.TCPStore(
+        host, port, is_master=False, timeout=timedelta(seconds=connect_s), use_libuv=True
+    )
+    store.set_timeout(timedelta(seconds=timeout_s))
+    addresses = {_plain(info[4][0]) for info in socket.getaddrinfo(host, port)}
+    # The client's socket is not exposed: every connection of this process to the
+    # store's address gets the same bounds (they are all connections to the store).
+    for fd in _descriptors():
+        _bound_silence(fd, addresses, port, silence_s)
+    return store
+
+
+def _plain(address: str) -> str:
+    """An IPv4 address mapped into IPv6 (``::ffff:10.0.0.1``) as IPv4."""
+    return address.removeprefix("::ffff:")
+
+
+def _descriptors() -> list[int]:
+    try:
+        return [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return []
+
+
+def _bound_silence(fd: int, addresses: set[str], port: int, silence_s: float) -> None:
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return  # not a socket, or closed since
+    try:
+        if sock.type != socket.SOCK_STREAM:
+            return
+        peer = sock.getpeername()
+        if peer[1] != port or _plain(peer[0]) not in addresses:
+            return
+        seconds = max(1, round(silence_s))
+        if hasattr(socket, "TCP_USER_TIMEOUT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, seconds * 1000)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            idle = max(1, seconds // 2)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, seconds - idle))
+    except OSError:
+        pass  # not connected, or not TCP
+    finally:
+        sock.detach()  # the store owns the descriptor

@@ -1,0 +1,196 @@
+"""The job's record in the store, which says which worker set owns a job, and the
+journal that keeps it across restarts of the store.
+
+Note [Fencing a job]
+The fact "job J runs" used to live only in the store: a restarted store forgot it,
+and a worker started afterwards with the same ``--job`` began J again from step 0
+beside the running set (two copies of one job). Now every job has one record,
+``vflow/<job>/record``: ``{"lineage": L, "epoch": E, "state": "running" |
+"finished"}``.
+
+- The lineage names the worker set that started the job: ``<boot>/round<N>``, the
+  store's boot id (``vflow/store/boot``, new at every start of the store process) and
+  the rendezvous round that formed it. Every worker of that round writes the same
+  record with compare-and-set on an empty key, so exactly one lineage wins; a round
+  that finds another lineage's record does not start the job but knocks at it. Every
+  later member, let in by a grow, a recovery or a fallback round, belongs to the
+  lineage it joined. The lineage never changes while the job runs.
+- The epoch counts the store restarts the lineage has lived through. When a member's
+  poller finds the store's boot id changed (the store restarted), it re-registers the
+  lineage: compare-and-set from an empty key, or from its own lineage's restored record
+  (below), to ``epoch + 1``. All members of the set propose the same bytes, so
+  whichever writes first, the others find their own lineage and adopt its epoch.
+- A member that finds another lineage in the record (a second copy of the job that
+  claimed it while this set could not reach the store) or the job finished is
+  *fenced*: it trains no further step and stops with its checkpoint and an error
+  saying so.
+
+Why this is safe: the store is linearizable (one server applies one request at a
+time), every change of a record is a compare-and-set from a value the writer read, and
+a set starts training a job only after its own claim succeeded (on a journaled store:
+only once the claim is on disk). So at any moment the record names one lineage, and a
+lineage other than the one that claimed the job can train it only from the moment its
+claim succeeded -- which, with the journal, needs the record gone: the job never
+started, or it finished.
+
+Note [The store's journal]
+A restarted store has lost every key; the running workers re-register, but a worker
+started before they do would find no record and start the job over. So
+``python -m vflow rendezvous`` keeps a journal file of the running jobs' records and
+restores them when it starts (marked ``"restored": true``): a worker started then
+finds the job running and knocks, and the members re-register and let it in. A job
+announces itself once (``vflow/jobs``, an append-only list of ids); the store process
+reads the records of the announced jobs every ``JOURNAL_POLL_S``, writes the file
+atomically when one changed (``replacing_atomically``: fsync, rename, fsync of the
+directory), drops finished jobs, and acknowledges each record it wrote
+(``vflow/<job>/journaled``). A worker set that claims a job waits for that
+acknowledgement before its first step, so that a job is never trained before the
+journal knows it. A store without a journal (``--no-journal``, or a store that another
+program hosts) says so in ``vflow/store/journal``, and a claim there does not wait;
+after such a store restarts, only the members' re-registration restores the record.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+from vflow.runtime.checkpoint import replacing_atomically
+
+__all__ = [
+    "BOOT_KEY",
+    "JOBS_KEY",
+    "JOURNAL_KEY",
+    "Journal",
+    "Record",
+    "boot_id",
+    "default_journal",
+    "encode",
+    "journaled_key",
+    "parse",
+    "record_key",
+    "running",
+]
+
+BOOT_KEY = "vflow/store/boot"  # the store's boot id, new at each start of its process
+JOURNAL_KEY = "vflow/store/journal"  # the journal's path, or "" (none)
+JOBS_KEY = "vflow/jobs"  # the ids of the jobs that ever claimed a record, one per line
+JOURNAL_POLL_S = 0.1
+
+Record = dict[str, Any]
+
+_log = logging.getLogger("vflow")
+
+
+def record_key(job_id: str) -> str:
+    return f"vflow/{job_id}/record"
+
+
+def journaled_key(job_id: str) -> str:
+    return f"vflow/{job_id}/journaled"
+
+
+def encode(record: Mapping[str, Any]) -> str:
+    """The record's bytes: the same for the same record on every worker, so that the
+    members' compare-and-sets propose identical values."""
+    return json.dumps(dict(record), sort_keys=True, separators=(",", ":"))
+
+
+def parse(raw: bytes | str) -> Record | None:
+    """The record ``raw`` holds, or None for an empty key."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    return json.loads(text) if text else None
+
+
+def running(lineage: str, epoch: int) -> Record:
+    return {"lineage": lineage, "epoch": epoch, "state": "running"}
+
+
+def boot_id(store: dist.Store) -> str:
+    """The boot id of the store process behind ``store``: the one it wrote when it
+    started, or, for a store hosted by another program, the first one any client wrote
+    (compare-and-set, so that every client reads the same)."""
+    return str(store.compare_set(BOOT_KEY, "", secrets.token_hex(8)).decode())
+
+
+class Journal:
+    """The store process's side of Note [The store's journal]: ``restore`` at start,
+    then ``sync`` every JOURNAL_POLL_S."""
+
+    def __init__(self, path: str, store: dist.Store) -> None:
+        self.path = path
+        self._store = store
+        self._written: dict[str, str] = {}  # job: the encoded record last acknowledged
+
+    def restore(self) -> list[str]:
+        """Puts the journal's running records back into the store, marked restored;
+        returns their job ids. A missing file is an empty journal."""
+        try:
+            with open(self.path) as f:
+                saved = json.load(f)
+        except FileNotFoundError:
+            saved = {}
+        except (OSError, ValueError) as e:
+            raise RuntimeError(f"cannot read the journal {self.path!r}: {e}") from e
+        jobs = saved.get("jobs", {}) if isinstance(saved, dict) else {}
+        for job_id, record in jobs.items():
+            restored = dict(record, restored=True)
+            self._store.set(record_key(job_id), encode(restored))
+            self._store.append(JOBS_KEY, job_id + "\n")
+            self._written[job_id] = encode(restored)
+        # Written at once: a journal that cannot be written is an error at the start.
+        try:
+            self._write({job_id: dict(record) for job_id, record in jobs.items()})
+        except OSError as e:
+            raise RuntimeError(f"cannot write the journal {self.path!r}: {e}") from e
+        return sorted(jobs)
+
+    def sync(self) -> None:
+        """Reads the announced jobs' records; writes the file and acknowledges the
+        records when any changed."""
+        if not self._store.check([JOBS_KEY]):
+            return
+        ids = dict.fromkeys(i for i in self._store.get(JOBS_KEY).decode().split("\n") if i)
+        current: dict[str, str] = {}
+        for job_id in ids:
+            raw = self._store.get(record_key(job_id)) if self._has(job_id) else b""
+            if raw:
+                current[job_id] = raw.decode()
+        if current == self._written:
+            return
+        kept = {}
+        for job_id, raw in current.items():
+            record = parse(raw)
+            if record is not None and record.get("state") == "running":
+                kept[job_id] = {k: v for k, v in record.items() if k != "restored"}
+        self._write(kept)
+        for job_id, raw in current.items():
+            if self._written.get(job_id) != raw:
+                self._store.set(journaled_key(job_id), raw)
+        self._written = current
+
+    def _has(self, job_id: str) -> bool:
+        return bool(self._store.check([record_key(job_id)]))
+
+    def _write(self, jobs: Mapping[str, Record]) -> None:
+        directory = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        with replacing_atomically(self.path) as f:
+            f.write(json.dumps({"jobs": dict(jobs)}, indent=1, sort_keys=True).encode())
+
+
+def default_journal(host: str, port: int) -> str:
+    """Where ``python -m vflow rendezvous --port P`` keeps its journal unless told:
+    under ``$XDG_STATE_HOME`` (default ``~/.local/state``), named by the address, so
+    that the store restarted at the same address finds it."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "state"
+    )
+    safe = host.replace(":", "_").replace("/", "_")
+    return os.path.join(base, "vflow", f"rendezvous-{safe}-{port}.json")
