@@ -79,12 +79,15 @@ def _free_port() -> int:
 
 
 @contextmanager
-def _readme_store(words: list[str]) -> Iterator[int]:
+def _readme_store(words: list[str], state: Path) -> Iterator[int]:
     """The README's store line, on a free port (another one if that was taken)."""
     for _ in range(3):
         port = _free_port()
         command = _as_here(words, port)
-        with store_process(command, cwd=REPO_ROOT, env=_env()) as (proc, endpoint):
+        # The README's line names a port, so the store keeps a journal: in ``state``,
+        # not in the home folder.
+        env = dict(_env(), XDG_STATE_HOME=str(state))
+        with store_process(command, cwd=REPO_ROOT, env=env) as (proc, endpoint):
             if endpoint == f"127.0.0.1:{port}":
                 yield port
                 return
@@ -177,7 +180,7 @@ def _readme_job(tmp_path: Path, extra: Sequence[str] = ()) -> Iterator[tuple[Wor
     worker is killed on the way out."""
     store, worker = _readme_lines()
     out, alone = tmp_path / "final.pt", tmp_path / "alone.pt"
-    with _readme_store(store) as port:
+    with _readme_store(store, tmp_path) as port:
         workers = Workers(worker, port, tmp_path, extra)
         try:
             workers.start("alone", job="alone", out=str(alone))
