@@ -178,9 +178,11 @@ class HostJob:
         assert ends, f"{name} wrote no events:\n{self.stderr(name)}"
         return ends[-1]["events"]
 
-    def stderr(self, name: str) -> str:
+    def stderr(self, name: str, last: int | None = 6000) -> str:
+        """What the worker wrote to stderr: its ``last`` characters (None: all)."""
         path = self.folder / f"{name}.err"
-        return path.read_text(errors="replace")[-6000:] if path.exists() else ""
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return text if last is None else text[-last:]
 
     def wait_until(self, what: str, done: Callable[[], bool], timeout: float = WAIT_S) -> None:
         deadline = time.monotonic() + timeout
@@ -246,7 +248,7 @@ class HostJob:
     def logged_at(self, name: str, text: str) -> float | None:
         """When the worker's stderr first logged a line containing ``text`` (the
         example's log lines begin with their local time, to the millisecond)."""
-        for line in self.stderr_all(name).splitlines():
+        for line in self.stderr(name, last=None).splitlines():
             if text in line:
                 stamp = line[:23]
                 try:
@@ -255,10 +257,6 @@ class HostJob:
                     continue
                 return when.timestamp()
         return None
-
-    def stderr_all(self, name: str) -> str:
-        path = self.folder / f"{name}.err"
-        return path.read_text(errors="replace") if path.exists() else ""
 
     def sets_per_step(self) -> dict[int, list[int]]:
         """step -> the set size each worker that committed it logged."""

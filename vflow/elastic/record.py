@@ -74,6 +74,7 @@ __all__ = [
     "encode",
     "journaled_key",
     "parse",
+    "read",
     "record_key",
     "running",
 ]
@@ -110,6 +111,14 @@ def parse(raw: bytes | str) -> Record | None:
 
 def running(lineage: str, epoch: int) -> Record:
     return {"lineage": lineage, "epoch": epoch, "state": "running"}
+
+
+def read(store: dist.Store, job_id: str) -> tuple[str, Record | None]:
+    """The job's record as stored (its exact bytes, for a compare-and-set: "" when
+    there is none) and parsed."""
+    key = record_key(job_id)
+    raw = store.get(key).decode() if store.check([key]) else ""
+    return raw, parse(raw)
 
 
 def boot_id(store: dist.Store) -> str:
@@ -157,26 +166,20 @@ class Journal:
         if not self._store.check([JOBS_KEY]):
             return
         ids = dict.fromkeys(i for i in self._store.get(JOBS_KEY).decode().split("\n") if i)
-        current: dict[str, str] = {}
-        for job_id in ids:
-            raw = self._store.get(record_key(job_id)) if self._has(job_id) else b""
-            if raw:
-                current[job_id] = raw.decode()
+        records = {job_id: read(self._store, job_id) for job_id in ids}
+        current = {job_id: raw for job_id, (raw, _) in records.items() if raw}
         if current == self._written:
             return
-        kept = {}
-        for job_id, raw in current.items():
-            record = parse(raw)
-            if record is not None and record.get("state") == "running":
-                kept[job_id] = {k: v for k, v in record.items() if k != "restored"}
+        kept = {
+            job_id: {k: v for k, v in record.items() if k != "restored"}
+            for job_id, (_, record) in records.items()
+            if record is not None and record.get("state") == "running"
+        }
         self._write(kept)
         for job_id, raw in current.items():
             if self._written.get(job_id) != raw:
                 self._store.set(journaled_key(job_id), raw)
         self._written = current
-
-    def _has(self, job_id: str) -> bool:
-        return bool(self._store.check([record_key(job_id)]))
 
     def _write(self, jobs: Mapping[str, Record]) -> None:
         directory = os.path.dirname(os.path.abspath(self.path))

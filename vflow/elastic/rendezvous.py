@@ -108,7 +108,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from vflow.elastic import record as records
 from vflow.elastic.record import Record
-from vflow.world.network import ProbeListener, reachable
+from vflow.world.network import ProbeListener, loopback_interface, reachable
 from vflow.world.store import connect_store
 
 __all__ = [
@@ -228,8 +228,9 @@ def single_group(timeout: datetime.timedelta) -> dist.ProcessGroup:
     """A Gloo group of this process alone, on a store of its own: what an elastic
     worker builds its executor on before it joins (vflow.elastic). It talks to nobody,
     so it binds loopback."""
-    loopback = next((n for _, n in socket.if_nameindex() if n.startswith("lo")), None)
-    return _group_on(dist.HashStore(), 0, 1, timeout, "gloo", "this worker alone", loopback)
+    return _group_on(
+        dist.HashStore(), 0, 1, timeout, "gloo", "this worker alone", loopback_interface()
+    )
 
 
 def _group_on(
@@ -424,10 +425,6 @@ class Rendezvous:
         (main) thread, which the poller never uses."""
         return dist.PrefixStore(f"vflow/{self.job_id}", self._main_store)
 
-    def store_lost(self) -> bool:
-        """Whether the poller found the store unreachable and has not reached it since."""
-        return self._lost_since is not None
-
     def reconnect(self) -> bool:
         """Note [Restarts of the store]: one attempt to connect again after the store
         broke the connections; returns whether this worker is connected now. After a
@@ -474,9 +471,7 @@ class Rendezvous:
 
     def record(self) -> Record | None:
         """The job's record in the store now, or None."""
-        key = records.record_key(self.job_id)
-        store = self._main_store
-        return records.parse(store.get(key)) if store.check([key]) else None
+        return records.read(self._main_store, self.job_id)[1]
 
     def claim(self, lineage: str) -> Record:
         """Claims the job for the worker set of ``lineage`` (its start): returns the
@@ -527,8 +522,7 @@ class Rendezvous:
             return
         store, key = self._main_store, records.record_key(self.job_id)
         for _ in range(8):
-            raw = store.get(key).decode() if store.check([key]) else ""
-            current = records.parse(raw)
+            raw, current = records.read(store, self.job_id)
             if current is None or (
                 current["lineage"] == mine["lineage"] and current.get("restored")
             ):
@@ -549,9 +543,7 @@ class Rendezvous:
         mine = self._lineage
         if mine is None:
             return
-        key = records.record_key(self.job_id)
-        raw = self._poll_store.get(key) if self._poll_store.check([key]) else b""
-        current = records.parse(raw)
+        current = records.read(self._poll_store, self.job_id)[1]
         if current is None or current.get("restored"):
             return  # a restart not seen yet on this connection: the reconnection decides
         if current["lineage"] != mine["lineage"] or current["state"] != "running":
@@ -571,13 +563,13 @@ class Rendezvous:
         mine = self._lineage
         if mine is None:
             return
-        store, key = self._main_store, records.record_key(self.job_id)
-        raw = store.get(key).decode() if store.check([key]) else ""
-        current = records.parse(raw)
+        raw, current = records.read(self._main_store, self.job_id)
         if current is None or current["lineage"] != mine["lineage"]:
             return
         done = {k: v for k, v in current.items() if k != "restored"}
-        store.compare_set(key, raw, records.encode(dict(done, state="finished")))
+        self._main_store.compare_set(
+            records.record_key(self.job_id), raw, records.encode(dict(done, state="finished"))
+        )
 
     # ---- rounds ----------------------------------------------------------------------
 

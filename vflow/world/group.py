@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
-import socket
 import time
 from collections.abc import Callable, Sequence
 
@@ -23,6 +22,7 @@ import torch.distributed as dist
 
 from vflow._extension import _C
 from vflow.mapping.plan import Plan
+from vflow.world.network import loopback_interface
 
 CollectiveError = _C.CollectiveError
 
@@ -33,7 +33,7 @@ def use_loopback_for_gloo() -> None:
     address the hostname resolves to, which may be an external interface that a
     sandbox blocks."""
     if "GLOO_SOCKET_IFNAME" not in os.environ:
-        loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+        loopback = loopback_interface()
         if loopback is not None:
             os.environ["GLOO_SOCKET_IFNAME"] = loopback
 

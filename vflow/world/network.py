@@ -41,11 +41,15 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from vflow.world.store import format_endpoint
+
 __all__ = [
     "PROBE_TIMEOUT_S",
     "ProbeListener",
     "check_interface",
     "interface_address",
+    "interfaces",
+    "loopback_interface",
     "reachable",
     "resolve",
     "route_interface",
@@ -70,6 +74,11 @@ def resolve(host: str, name: str = "rendezvous") -> list[str]:
 def interfaces() -> list[str]:
     """The names of this machine's network interfaces."""
     return [name for _, name in socket.if_nameindex()]
+
+
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback interface ("lo" on Linux), if it has one."""
+    return next((name for name in interfaces() if name.startswith("lo")), None)
 
 
 def check_interface(interface: str, name: str = "interface") -> str:
@@ -122,7 +131,7 @@ def _interface_of(address: str) -> str | None:
         if ipaddress.ip_address(candidate) == wanted:
             return owner
     if wanted.is_loopback:
-        return next((n for n in interfaces() if n.startswith("lo")), None)
+        return loopback_interface()
     return None
 
 
@@ -161,7 +170,7 @@ class ProbeListener:
         self._socket.bind((address, 0))
         self._socket.listen(64)
         host, port = self._socket.getsockname()[:2]
-        self.endpoint = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        self.endpoint = format_endpoint(host, port)
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="vflow-probe", daemon=True)
         self._thread.start()
