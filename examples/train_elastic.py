@@ -33,14 +33,23 @@ With ``--port``, the store keeps a journal of the running jobs, so that a store
 restarted at the same address knows them (the running workers re-register their job,
 and a worker started meanwhile joins it instead of starting it over).
 
+The batches come from a ``torch.utils.data.DataLoader`` with ``--loader-workers``
+worker processes (default 2) through ``vflow.data.StepLoader``, which follows the job's
+step count, plan and rank across grows, shrinks and crashes (Note [Loading ahead of an
+elastic job]). ``--lr-schedule onecycle`` steps a ``OneCycleLR`` over ``--steps`` once
+per step, registered with the executor (``ex.register_state``), so that a worker joining
+mid-schedule receives the schedule's position with the model and the optimizer.
+
 When the job reaches ``--steps``, its lowest-ranked worker writes
-``{"model", "optimizer", "step"}`` to ``--out`` (``torch.load(path)``); the others write
-nothing, and so does a worker that left early or arrived after the end. The rendezvous
-events (start, grow, leave, crash, finish) are logged by the ``vflow`` logger, and
-rank 0 logs the loss every ``--log-every`` steps. ``--log FILE`` appends one JSON line
-per step this worker ran (``{"t", "step", "rank", "workers", "loss"}``, ``t`` its
-end in ``time.time()``) and a last line
-``{"events": [...], "step": ...}``, for scripts that watch a job.
+``{"model", "optimizer", "scheduler", "step"}`` to ``--out`` (``torch.load(path)``;
+``scheduler`` is None for a constant LR); the others write nothing, and so does a worker
+that left early or arrived after the end. The rendezvous events (start, grow, leave,
+crash, finish) are logged by the ``vflow`` logger, and rank 0 logs the loss every
+``--log-every`` steps. ``--log FILE`` appends one JSON line per step this worker ran
+(``{"t", "step", "rank", "workers", "pid", "loss", "lr", "samples"}``: ``t`` its end in
+``time.time()``, ``lr`` the learning rate the step used, ``samples`` the dataset indices
+this worker trained on) and a last line ``{"events": [...], "step": ...}``, for scripts
+that watch a job.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ import time
 from typing import Any, TextIO
 
 import torch
+from torch.utils.data import TensorDataset
 
 import vflow
 from vflow.demo import accuracy, cross_entropy, load_digits_split, make_model
@@ -84,7 +94,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default=None, help="rank 0 writes the final state here")
     parser.add_argument("--batch-size", type=int, default=64, help="global batch B (default 64)")
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr", type=float, default=0.05, help="the (peak) learning rate")
+    parser.add_argument(
+        "--lr-schedule",
+        choices=("constant", "onecycle"),
+        default="constant",
+        help="constant, or OneCycleLR over --steps peaking at --lr (default constant)",
+    )
+    parser.add_argument(
+        "--loader-workers",
+        type=int,
+        default=2,
+        help="DataLoader worker processes loading the batches (default 2; 0: in this process)",
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -117,6 +139,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for flag, value in (("--threads", args.threads), ("--log-every", args.log_every)):
         if value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")
+    if args.loader_workers < 0:
+        parser.error(f"--loader-workers must be >= 0, got {args.loader_workers}")
+    if args.lr_schedule == "onecycle" and args.steps < 2:
+        parser.error(f"--lr-schedule onecycle needs --steps >= 2, got {args.steps}")
     if not args.sleep >= 0 or args.sleep_until_changes < 0:
         parser.error("--sleep and --sleep-until-changes must be >= 0")
     if not 1 <= args.min_workers <= args.virtual_nodes:
@@ -136,10 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     x_train, y_train, x_test, y_test = load_digits_split(args.seed)
     log_file: TextIO | None = open(args.log, "a", buffering=1) if args.log else None
 
+    schedulers: dict[vflow.Executor, torch.optim.lr_scheduler.LRScheduler] = {}
+
     def make_executor(group: Any, timeout: float) -> vflow.Executor:
         model = make_model(args.seed)
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        return vflow.Executor(
+        ex = vflow.Executor(
             model,
             optimizer,
             cross_entropy,
@@ -149,19 +177,33 @@ def main(argv: list[str] | None = None) -> int:
             timeout=timeout,
             deterministic=args.deterministic,
         )
+        if args.lr_schedule == "onecycle":
+            # Registered, it travels with the training state: a worker that joins at
+            # step 400 goes on from step 400 of the schedule.
+            scheduler = torch.optim.lr_scheduler.OneCycleLR(
+                optimizer, max_lr=args.lr, total_steps=args.steps
+            )
+            ex.register_state("lr_scheduler", scheduler)
+            schedulers[ex] = scheduler
+        return ex
 
-    # The plan and rank change with the worker set; train_step binds the sampler to the
-    # step's executor (a newcomer's is a new one), which then splits the step's global
-    # batch under the plan that step runs with.
+    # The loader's workers load the coming steps' batches ahead; StepLoader hands out
+    # the batch of the step asked for, under the plan and rank of the executor that runs
+    # it, and loads anew from there whenever the worker set changed.
     sampler = vflow.VNBatchSampler(len(y_train), args.batch_size, seed=args.seed)
+    loader = vflow.data.StepLoader(
+        TensorDataset(x_train, y_train), sampler, num_workers=args.loader_workers
+    )
 
     def train_step(ex: vflow.Executor, step: int) -> vflow.StepResult:
         changes = len(job.events) - 1  # the first event is this worker's start
         if args.sleep > 0 and (args.sleep_until_changes == 0 or changes < args.sleep_until_changes):
             time.sleep(args.sleep)
-        sampler.bind(ex)
-        indices, size = sampler.step_indices(step)
-        result = ex.step((x_train[indices], y_train[indices]), global_batch_size=size)
+        batch, size = loader.batch(ex, step)
+        lr = ex.optimizer.param_groups[0]["lr"]
+        result = ex.step(batch, global_batch_size=size)
+        if ex in schedulers:
+            schedulers[ex].step()
         if ex.rank == 0 and (step + 1) % args.log_every == 0:
             _log.info(
                 "step %d/%d  loss %.4f  (%d worker(s))",
@@ -176,7 +218,10 @@ def main(argv: list[str] | None = None) -> int:
                 "step": step,
                 "rank": ex.rank,
                 "workers": ex.world_size,
+                "pid": os.getpid(),
                 "loss": result.loss,
+                "lr": lr,
+                "samples": loader.last_indices,
             }
             log_file.write(json.dumps(record) + "\n")
         return result
@@ -201,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             log_file.write(json.dumps({"events": events, "step": step}) + "\n")
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        loader.close()
         if log_file is not None:
             log_file.close()
     if ex is None:
@@ -218,17 +264,20 @@ def main(argv: list[str] | None = None) -> int:
                 ex.step_count,
             )
             if args.out is not None:
-                save(ex, args.out)
+                save(ex, schedulers.get(ex), args.out)
                 _log.info("saved the final state to %s", args.out)
     finally:
         ex.close()
     return 0
 
 
-def save(ex: vflow.Executor, path: str) -> None:
+def save(
+    ex: vflow.Executor, scheduler: torch.optim.lr_scheduler.LRScheduler | None, path: str
+) -> None:
     state = {
         "model": ex.model.state_dict(),
         "optimizer": ex.optimizer.state_dict(),
+        "scheduler": None if scheduler is None else scheduler.state_dict(),
         "step": ex.step_count,
     }
     # A reader never sees half a file, even if this worker dies while writing.

@@ -10,6 +10,7 @@ the end."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -26,9 +27,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import vflow
 from tests.support import REPO_ROOT
 from tests.support.rendezvous import store_process
 from tests.support.several_hosts import assert_bitwise_equal, readme_lines
+from vflow.demo import load_digits_split
 
 pytest.importorskip("sklearn", reason="the example trains on scikit-learn's digits")
 if not (dist.is_available() and dist.is_gloo_available()):
@@ -103,10 +106,13 @@ class Workers:
         self.words, self.port, self.tmp, self.extra = words, port, tmp, list(extra)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, name: str, change: str | None = None, **replace: str) -> None:
-        """Starts the line (with ``replace``'s values and the extra flags); ``change``:
-        through tests/support/altered_example.py with that change."""
-        words = _as_here(self.words, self.port, **replace) + self.extra
+    def start(
+        self, name: str, change: str | None = None, more: Sequence[str] = (), **replace: str
+    ) -> None:
+        """Starts the line (with ``replace``'s values, the extra flags and this worker's
+        ``more``); ``change``: through tests/support/altered_example.py with that
+        change."""
+        words = _as_here(self.words, self.port, **replace) + self.extra + list(more)
         if change is not None:
             script = next(i for i, w in enumerate(words) if w.endswith("train_elastic.py"))
             words = [words[0], str(ALTERED), change, "--", *words[script + 1 :]]
@@ -228,14 +234,19 @@ def test_joiners_with_other_settings_are_refused_and_the_job_finishes_bitwise(
     tmp_path: Path,
 ) -> None:
     """The README's worker line joined by the same line with another --seed, then
-    another --virtual-nodes: each newcomer exits with status 1 naming what differs, and
+    another --virtual-nodes, then with an LR schedule (a registered state the members do
+    not have): each newcomer exits with status 1 naming what differs, and
     the running job never notices beyond a warning (Note [Refusing newcomers])."""
     with _readme_job(tmp_path) as (workers, out, alone):
         for name, flag, value, named in (
             ("seed", "seed", "1", "seed=1"),
             ("vns", "virtual-nodes", "4", "virtual_nodes=4"),
+            ("schedule", "lr-schedule", "onecycle", "register_state names ['lr_scheduler']"),
         ):
-            workers.start(name, **{flag: value})
+            if f"--{flag}" in workers.words:
+                workers.start(name, **{flag: value})
+            else:
+                workers.start(name, more=[f"--{flag}", value])
             assert workers.procs[name].wait(timeout=WAIT_S) == 1, workers.stderr(name)
             said = workers.stderr(name)
             assert "refused by the members" in said and named in said, said[-4000:]
@@ -268,3 +279,108 @@ def test_a_joiner_with_another_model_or_too_slow_is_refused_and_the_job_finishes
     assert _reasons(workers.events("a")) == ["start", "finish"], workers.events("a")
     assert "were refused" in workers.stderr("a")
     assert_bitwise_equal(torch.load(out, weights_only=True), torch.load(alone, weights_only=True))
+
+
+def _job_lines(log: Path, pids: set[int]) -> list[dict[str, Any]]:
+    lines = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
+    return [line for line in lines if line.get("pid") in pids]
+
+
+@pytest.mark.slow
+def test_a_schedule_and_a_dataloader_through_join_crash_and_leave_bitwise(tmp_path: Path) -> None:
+    """The example with a OneCycleLR schedule and 2 DataLoader worker processes: B joins
+    mid-schedule, C joins and is killed (SIGKILL), B leaves (SIGTERM); the job ends
+    bitwise where the same flags end on one worker, scheduler included, and the batch
+    log shows every step's global batch trained exactly once, by a complete worker
+    set."""
+    steps, batch = 150, 64
+    log = tmp_path / "steps.jsonl"
+    words = [
+        str(REPO_ROOT / ".venv" / "bin" / "python"),
+        str(SCRIPT),
+        "--rdzv",
+        f"127.0.0.1:{README_PORT}",
+        "--job",
+        "scheduled",
+        "--steps",
+        str(steps),
+        "--virtual-nodes",
+        "8",
+        "--batch-size",
+        str(batch),
+        "--seed",
+        "0",
+        "--deterministic",
+        "--out",
+        "final.pt",
+        "--sleep",
+        "0.1",
+        "--lr-schedule",
+        "onecycle",
+        "--loader-workers",
+        "2",
+        "--log",
+        str(log),
+    ]
+    out, alone = tmp_path / "final.pt", tmp_path / "alone.pt"
+    with store_process() as (_, endpoint):
+        workers = Workers(words, int(endpoint.rsplit(":", 1)[1]), tmp_path)
+        try:
+            workers.start("alone", job="alone", out=str(alone))
+            workers.start("a", out=str(out))
+            workers.wait_for("a", "A training", lambda e: "start" in _reasons(e))
+            a_pid = workers.procs["a"].pid
+            # B starts a fifth into the schedule; with its start-up it joins near 40 %.
+            _wait_for_step(log, a_pid, steps // 5, workers)
+            workers.start("b", out=str(out))
+            workers.wait_for("a", "B joining", lambda e: _reasons(e).count("grow") == 1)
+            workers.start("c", out=str(out))
+            workers.wait_for("a", "C joining", lambda e: _reasons(e).count("grow") == 2)
+            workers.procs["c"].kill()
+            assert workers.procs["c"].wait(timeout=30) == -signal.SIGKILL
+            workers.wait_for("a", "A going on without C", lambda e: "crash" in _reasons(e))
+            workers.procs["b"].terminate()
+            codes = workers.wait(["a", "b", "alone"], timeout=120)
+            assert codes == {"a": 0, "b": 0, "alone": 0}, workers.stderr("a")[-4000:]
+        finally:
+            workers.kill_all()
+
+    events = workers.events("a")
+    assert _reasons(events) == ["start", "grow", "grow", "crash", "leave", "finish"], events
+    assert [n for _, n, _ in events] == [1, 2, 3, 2, 1, 1], events
+    assert 0 < events[1][0] <= events[4][0] < steps, events  # all mid-schedule
+    got, want = torch.load(out, weights_only=True), torch.load(alone, weights_only=True)
+    assert_bitwise_equal(got, want)
+    assert got["scheduler"] == want["scheduler"] and got["scheduler"]["last_epoch"] == steps
+
+    # Every step's global batch, trained once by a complete worker set.
+    # The whole global batch of each step: one worker's part under the one-worker plan.
+    whole = vflow.VNBatchSampler(
+        len(load_digits_split(0)[1]), batch, vflow.Plan.even(8, 1), 0, seed=0
+    )
+    lines = _job_lines(log, {workers.procs[name].pid for name in ("a", "b", "c")})
+    alone_lines = _job_lines(log, {workers.procs["alone"].pid})
+    assert [line["step"] for line in alone_lines if "step" in line][:steps] == list(range(steps))
+    lr_of = {line["step"]: line["lr"] for line in alone_lines if "lr" in line}
+    assert len(set(lr_of.values())) > steps // 2  # the schedule moved the LR
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for line in lines:
+        if "step" in line and "samples" in line:
+            by_step.setdefault(line["step"], []).append(line)
+    assert sorted(by_step) == list(range(steps))
+    for step, at in by_step.items():
+        assert len({line["pid"] for line in at}) == len(at), f"step {step} ran twice: {at}"
+        workers_of_step = {line["workers"] for line in at}
+        assert len(workers_of_step) == 1 and len(at) == workers_of_step.pop(), at
+        trained = [i for line in sorted(at, key=lambda x: x["rank"]) for i in line["samples"]]
+        assert trained == whole.step_indices(step)[0], f"step {step}"
+        assert all(line["lr"] == lr_of[step] for line in at), f"step {step}: {at}"
+
+
+def _wait_for_step(log: Path, pid: int, step: int, workers: Workers) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        if log.exists() and any(line.get("step", -1) >= step for line in _job_lines(log, {pid})):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"A did not reach step {step}:\n{workers.stderr('a')[-4000:]}")

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import vflow
 from tests.support import REPO_ROOT, models
+from tests.support.states import assert_same
 from vflow.world.launch import run_ranks
 
 V = 8
@@ -61,24 +62,6 @@ def _state(ex: vflow.Executor) -> dict[str, Any]:
     }
 
 
-def _assert_same(got: Any, want: Any, at: str = "state") -> None:
-    """Exact equality, tensors bit for bit."""
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), at
-        assert got.dtype == want.dtype and got.shape == want.shape, at
-        assert torch.equal(got, want), f"{at} differs"
-    elif isinstance(want, dict):
-        assert isinstance(got, dict) and set(got) == set(want), f"{at}: keys differ"
-        for k in want:
-            _assert_same(got[k], want[k], f"{at}[{k!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), at
-        for k, (g, w) in enumerate(zip(got, want)):
-            _assert_same(g, w, f"{at}[{k}]")
-    else:
-        assert got == want, f"{at}: {got!r} != {want!r}"
-
-
 def _roundtrip_in_memory(state: dict[str, Any]) -> dict[str, Any]:
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -105,13 +88,13 @@ def test_resumed_training_equals_uninterrupted_training(tmp_path, optimizer):
     assert extra["epoch"] == 2 and extra["note"] == ("text", 1.5, None)
     assert torch.equal(extra["rng"], rng)
     assert (b.step_count, b.skipped_steps, b.seed) == (3, 0, 3)
-    _assert_same(_state(b), _state(a))
+    assert_same(_state(b), _state(a))
 
     for batch in batches[3:]:
         want = a.step(batch)
         got = b.step(batch)
         assert got.loss == want.loss and got.step == want.step
-    _assert_same(_state(b), _state(a))
+    assert_same(_state(b), _state(a))
     assert b.step_count == 6
 
     raw = torch.load(path, weights_only=True)
@@ -148,7 +131,7 @@ def test_loss_scaler_and_seed_are_restored(tmp_path):
     got, want = b.step(models.classification_data(16)), a.step(models.classification_data(16))
     assert got.loss_scale == want.loss_scale == 2.0**11
     assert b.scaler.state_dict() == {"scale": 2.0**12, "good_steps": 0}  # grew after 2 steps
-    _assert_same(_state(b), _state(a))
+    assert_same(_state(b), _state(a))
     a.close()
     b.close()
 
@@ -161,9 +144,9 @@ def test_load_state_dict_in_memory_does_not_share_tensors():
     b.load_state_dict(a.state_dict())
     loaded = _state(b)
     a.step(batches[1])  # updates a's momentum buffers in place
-    _assert_same(_state(b), loaded)
+    assert_same(_state(b), loaded)
     b.step(batches[1])
-    _assert_same(_state(b), _state(a))
+    assert_same(_state(b), _state(a))
     a.close()
     b.close()
 
@@ -266,7 +249,7 @@ def test_bad_state_raises_and_changes_nothing(target, good_state, case):
     with pytest.raises(error) as info:
         target.load_state_dict(state)
     assert message in str(info.value)
-    _assert_same(_state(target), before)
+    assert_same(_state(target), before)
     # The executor still works, and the unbroken state still loads.
     target.load_state_dict(good_state)
     assert target.step_count == 3
@@ -276,7 +259,7 @@ def test_non_dict_state_raises(target):
     before = _state(target)
     with pytest.raises(TypeError, match="executor state must be a dict"):
         target.load_state_dict([1, 2])
-    _assert_same(_state(target), before)
+    assert_same(_state(target), before)
 
 
 def test_missing_loss_scaler_state_raises(good_state):
@@ -286,7 +269,7 @@ def test_missing_loss_scaler_state_raises(good_state):
         before = _state(ex)
         with pytest.raises(ValueError, match=r"'loss_scaler'\] is None \(written without loss"):
             ex.load_state_dict(good_state)
-        _assert_same(_state(ex), before)
+        assert_same(_state(ex), before)
 
 
 def test_failure_while_applying_rolls_back(target, good_state, monkeypatch):
@@ -304,7 +287,7 @@ def test_failure_while_applying_rolls_back(target, good_state, monkeypatch):
     with pytest.raises(RuntimeError, match="out of memory, say"):
         target.load_state_dict(good_state)
     assert len(calls) == 2  # failed, then the rollback
-    _assert_same(_state(target), before)  # the model, loaded first, is back as well
+    assert_same(_state(target), before)  # the model, loaded first, is back as well
 
 
 def test_bad_files_and_arguments(tmp_path, target):
@@ -343,7 +326,7 @@ def test_bad_files_and_arguments(tmp_path, target):
     four.close()
     with pytest.raises(ValueError, match="written for V=4 virtual nodes, this executor has V=8"):
         vflow.load(tmp_path / "v4.pt", target)
-    _assert_same(_state(target), before)
+    assert_same(_state(target), before)
 
     target.close()
     with pytest.raises(RuntimeError, match="closed"):
@@ -378,7 +361,7 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     ex.close()
     with _executor(5) as fresh:
         assert vflow.load(path, fresh) == {"n": 1}
-        _assert_same(_state(fresh), first)
+        assert_same(_state(fresh), first)
 
 
 _CRASH_SCRIPT = textwrap.dedent(
@@ -502,7 +485,7 @@ def test_ranks_save_once_and_load_all_or_nothing(tmp_path):
     r0, r1 = (r.value for r in results)
     assert r0["writes"] == 2 and r1["writes"] == 0  # only rank 0 writes
     assert r0["exists"] and r1["exists"]
-    _assert_same(r1["saved"], r0["saved"])
+    assert_same(r1["saved"], r0["saved"])
 
     assert r0["save_error"].startswith("FileNotFoundError: vflow.save: the directory")
     assert r1["save_error"] == (
@@ -512,9 +495,9 @@ def test_ranks_save_once_and_load_all_or_nothing(tmp_path):
 
     for r in (r0, r1):
         assert r["extra"] == {"epoch": 3, "rank": 0}  # rank 0's extra
-        _assert_same(r["reloaded"], r["saved"])
-        _assert_same(r["missing_unchanged"], r["before"])
-        _assert_same(r["stale_unchanged"], r["before"])
+        assert_same(r["reloaded"], r["saved"])
+        assert_same(r["missing_unchanged"], r["before"])
+        assert_same(r["stale_unchanged"], r["before"])
         assert "read a different checkpoint" in r["stale_error"]
     assert r0["missing_error"].startswith("RuntimeError: vflow.load: rank(s) [1] could not load")
     assert r1["missing_error"].startswith("FileNotFoundError: vflow.load: no checkpoint at")
@@ -523,7 +506,7 @@ def test_ranks_save_once_and_load_all_or_nothing(tmp_path):
     # Written by 2 workers, resumed on 1.
     with _executor(5, seed=0) as single:
         assert vflow.load(path, single) == {"epoch": 3, "rank": 0}
-        _assert_same(_state(single), r0["saved"])
+        assert_same(_state(single), r0["saved"])
         state = torch.load(path, weights_only=True)["executor"]
         assert state["written_by"]["world_size"] == 2
         assert state["written_by"]["plan_counts"] == [4, 4]
@@ -568,4 +551,4 @@ def test_four_workers_then_one_equals_one_throughout(tmp_path):
             want = _state(straight)
     finally:
         torch.set_num_threads(threads)
-    _assert_same(got, want)
+    assert_same(got, want)

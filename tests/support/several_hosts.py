@@ -335,9 +335,10 @@ def _run_alone(folder: Path, **values: str) -> dict[str, Any]:
 
 
 def assert_bitwise_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
-    """Two states the example wrote (``--out``): the same step, model and optimizer
-    state, bit for bit."""
+    """Two states the example wrote (``--out``): the same step, model, optimizer and
+    scheduler state, bit for bit."""
     assert got["step"] == want["step"]
+    assert got.get("scheduler") == want.get("scheduler")
     assert got["model"].keys() == want["model"].keys()
     for key, value in want["model"].items():
         assert torch.equal(got["model"][key], value), f"model {key} differs"

@@ -36,7 +36,7 @@ import datetime
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -56,6 +56,7 @@ from vflow.runtime.config import ExecutorConfig
 from vflow.runtime.grad_store import GradStore, trainable_params
 from vflow.runtime.module_buffers import BufferRule
 from vflow.runtime.reduction import Reduction, for_kind
+from vflow.runtime.registered_state import RegisteredState, registered_from
 from vflow.runtime.results import PhaseTimings, StepResult
 from vflow.runtime.step_run import profiled
 from vflow.world import membership
@@ -97,6 +98,10 @@ class PipelineExecutor:
             stage count and any plan (docs/reproducibility.md).
         accumulate_dtype, buffer_rule, skip_nonfinite, timeout, bucket_cap_mb,
         first_bucket_mb: as for ``vflow.Executor``.
+        registered_state: ``registered_state(stage_optimizer) -> {name: obj}`` builds
+            this stage's objects that are part of the training state (an LR scheduler of
+            the stage's optimizer; see ``register_state``), before a process joining the
+            grid receives the replicas' state, so that it receives theirs too.
 
     Every process of a fresh grid constructs its executor together; the replicas of
     each stage start from replica 0's parameters. A process constructing its executor
@@ -122,8 +127,14 @@ class PipelineExecutor:
         timeout: float | datetime.timedelta = 600.0,
         bucket_cap_mb: float = 25.0,
         first_bucket_mb: float = 1.0,
+        registered_state: Callable[[torch.optim.Optimizer], Mapping[str, object]] | None = None,
     ) -> None:
         named_segments = segments(model)
+        if registered_state is not None and not callable(registered_state):
+            raise TypeError(
+                "registered_state must be a function optimizer -> {name: obj} (each stage "
+                f"registers its own objects) or None, got {type(registered_state).__name__}"
+            )
         if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
             raise TypeError(
                 "optimizer must be a function params -> torch.optim.Optimizer (each stage "
@@ -177,6 +188,7 @@ class PipelineExecutor:
         self.optimizer = stage_optimizer
         self.step_count = 0
         self.skipped_steps = 0
+        self._registered = RegisteredState()
         self._bounds = bounds
         self._segment_names = [name for name, _ in named_segments]
         self._params = params
@@ -201,6 +213,8 @@ class PipelineExecutor:
         self._streams: SegmentStreams | None = None
         try:
             reduction.apply_world(prepared)
+            if registered_state is not None:
+                self._registered = registered_from(registered_state(stage_optimizer))
             self._join(grid, plan, newcomer=True)
         except BaseException:
             self._grads.close()
@@ -356,6 +370,7 @@ class PipelineExecutor:
             membership.Column(
                 "optimizer", type(self.optimizer).__qualname__, type(self.optimizer).__qualname__
             ),
+            self._registered.column(),
             *(
                 membership.Column(f"settings ({name})", value, f"{name}={value}")
                 for name, value in self.config.agreed_fields()
@@ -661,7 +676,7 @@ class PipelineExecutor:
     def _local_state(self) -> dict[str, Any]:
         """This stage's training state (what a newcomer replica of it receives)."""
         return training_state.build(
-            training_state.Target(self.stage_module, self.optimizer, None, self.virtual_nodes),
+            self._state_target(),
             training_state.Progress(self.step_count, self.skipped_steps, self.seed),
             bool(self.deterministic),
             self._grid.replicas,
@@ -669,14 +684,29 @@ class PipelineExecutor:
         )
 
     def _load_local_state(self, state: dict[str, Any], *, assign: bool = False) -> None:
-        target = training_state.Target(self.stage_module, self.optimizer, None, self.virtual_nodes)
-        progress = training_state.load(target, state, assign=assign)
+        progress = training_state.load(self._state_target(), state, assign=assign)
         self.step_count = progress.step_count
         self.skipped_steps = progress.skipped_steps
         self.config = self.config.with_seed(progress.seed)
 
     def _load_received_state(self, state: object) -> Callable[[], None]:
         return training_state.load_received(state, self._local_state, self._load_local_state)
+
+    def _state_target(self) -> training_state.Target:
+        return training_state.Target(
+            self.stage_module, self.optimizer, None, self.virtual_nodes, self._registered
+        )
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """As ``vflow.Executor.register_state``: ``obj`` (with ``state_dict()`` and
+        ``load_state_dict()``) becomes part of this stage's training state under
+        ``name``. Every process registers the same names; ``state_dict()`` keeps stage
+        0's objects (Note [A state for every grid]) and gives them to every stage on
+        loading, so register objects that are alike on every stage (a scheduler of
+        each stage's optimizer with the same settings). A process joining a grid must
+        have them before it joins: pass ``registered_state`` to its constructor."""
+        self._check_open()
+        self._registered.register(name, obj)
 
     def state_dict(self) -> dict[str, Any]:
         """The whole model's training state, gathered from every stage: the model's
@@ -686,7 +716,9 @@ class PipelineExecutor:
         the same V (``load_state_dict``), and into ``stages=1`` on one process."""
         self._check_open()
         mine = (
-            pipeline_state.stage_part(self.stage_module, self.optimizer, self._grid.stage)
+            pipeline_state.stage_part(
+                self.stage_module, self.optimizer, self._grid.stage, self._registered
+            )
             if self._grid.replica == 0
             else None
         )

@@ -5,7 +5,8 @@ Each stage holds part of the model and its own optimizer, so the state of the jo
 assembled from replica 0's stages: the model's state dict under the names of the
 unsplit model (``"3.fc.weight"``), the optimizer state keyed by those parameter names
 instead of the per-optimizer indices ``torch.optim`` uses, each parameter group with
-its hyperparameters and the names it holds, plus the step counts and the seed.
+its hyperparameters and the names it holds, plus the step counts, the seed and stage
+0's registered objects (alike on every stage; Note [Registered state]).
 Nothing in it depends on the grid: a process of any grid with the same V and segments
 takes the entries of its own stage (``stage_state``), whatever cut and replica count
 wrote it, and so does ``stages=1`` on one process. The stages' parts travel as raw
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vflow.runtime import training_state
+from vflow.runtime.registered_state import RegisteredState
 from vflow.world import membership
 
 if TYPE_CHECKING:
@@ -38,9 +40,13 @@ def _parameter_names(stage_module: torch.nn.Module, optimizer: torch.optim.Optim
 
 
 def stage_part(
-    stage_module: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int
+    stage_module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stage: int,
+    registered: RegisteredState,
 ) -> dict[str, Any]:
-    """One stage's model and optimizer state, keyed by parameter names."""
+    """One stage's model and optimizer state, keyed by parameter names, and its
+    registered objects' states."""
     names = _parameter_names(stage_module, optimizer)
     saved = optimizer.state_dict()
     return {
@@ -54,6 +60,7 @@ def stage_part(
             }
             for group in saved["param_groups"]
         ],
+        "registered": registered.state_dict(),
     }
 
 
@@ -110,6 +117,9 @@ def assemble(
         "model": model,
         "optimizer": {"state": optimizer_state, "param_groups": groups},
         "optimizer_class": f"{optimizer_class.__module__}.{optimizer_class.__qualname__}",
+        # The registered objects are alike on every stage (PipelineExecutor.register_state):
+        # stage 0's stand for all, whatever cut loads them.
+        "registered": min(parts, key=lambda p: p["stage"])["registered"],
         "written_by": written_by,
     }
 
@@ -199,4 +209,5 @@ def stage_state(
         "model": OrderedDict((key, saved_model[key]) for key in wanted),
         "optimizer": {"state": optimizer_state, "param_groups": param_groups},
         "optimizer_class": state["optimizer_class"],
+        "registered": state.get("registered", {}),
     }

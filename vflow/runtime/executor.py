@@ -30,7 +30,7 @@ import dataclasses
 import datetime
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -51,6 +51,7 @@ from vflow.runtime.grad_store import GradStore, trainable_params
 from vflow.runtime.inference import ForwardFn
 from vflow.runtime.module_buffers import BufferRule
 from vflow.runtime.reduction import for_kind
+from vflow.runtime.registered_state import registered_from
 from vflow.runtime.results import StepResult
 from vflow.runtime.step_run import StepInputs, StepRun, profiled
 from vflow.runtime.step_stats import StatsLayout
@@ -160,6 +161,11 @@ class Executor:
             draws for a VN under every plan. It must keep the number of samples and not
             modify its input in place (outside deterministic mode that input is a view
             of the caller's batch). ``infer`` does not apply it.
+        registered_state: ``{name: obj}``, objects with ``state_dict()`` and
+            ``load_state_dict()`` that are part of the training state, as
+            ``register_state(name, obj)`` makes them; given here, they take part in a
+            join that constructing this executor makes (a newcomer built on the members'
+            group receives their states).
     """
 
     def __init__(
@@ -185,6 +191,7 @@ class Executor:
         deterministic: bool | str = False,
         prefetch: bool = True,
         vn_transform: VNTransform | None = None,
+        registered_state: Mapping[str, object] | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -198,6 +205,7 @@ class Executor:
             raise TypeError(
                 f"vn_transform must be callable or None, got {type(vn_transform).__name__}"
             )
+        registered = registered_from(registered_state)
         params = trainable_params(model, optimizer)
         config = ExecutorConfig.from_arguments(
             virtual_nodes=virtual_nodes,
@@ -237,6 +245,7 @@ class Executor:
             self.scaler = None if config.loss_scaling is None else LossScaler()
         self.step_count = 0
         self.skipped_steps = 0
+        self._registered = registered
         self._signal: int | Callable[[], int] = 0
         # Note [Plan changes wait for the data]: changes not yet in force, by first
         # step, and the plan and rank each drawn step's batch was split under.
@@ -534,6 +543,7 @@ class Executor:
             membership.Column(
                 "model layout", layout, "this rank's parameter and buffer shapes/dtypes"
             ),
+            self._registered.column(),
             *(
                 membership.Column(f"settings ({name})", value, f"{name}={value}")
                 for name, value in self.config.agreed_fields()
@@ -802,7 +812,23 @@ class Executor:
         self._apply_due_plans()
 
     def _state_target(self) -> training_state.Target:
-        return training_state.Target(self.model, self.optimizer, self.scaler, self.virtual_nodes)
+        return training_state.Target(
+            self.model, self.optimizer, self.scaler, self.virtual_nodes, self._registered
+        )
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """Makes ``obj`` — an LR scheduler, or any object with ``state_dict()`` and
+        ``load_state_dict()`` — part of the training state under ``name`` (Note
+        [Registered state], vflow/runtime/registered_state.py): ``state_dict()``,
+        ``vflow.save``/``vflow.load`` and the state a joining worker receives carry it,
+        and a newcomer must have registered the same names as the members. Register
+        before training, the same names on every worker (for a worker joining a job, in
+        ``make_executor``; for one constructed on the members' group, with the
+        constructor's ``registered_state``). Raises, registering nothing, on a name
+        registered already, a name that is not a non-empty string, or an object
+        without those methods."""
+        self._check_open()
+        self._registered.register(name, obj)
 
     # ---- lifecycle ------------------------------------------------------------------
 

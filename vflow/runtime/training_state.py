@@ -4,12 +4,13 @@ the state handed to a worker joining the job (vflow.world.membership) are made o
 
 What it holds
   The model's state dict (parameters and buffers), the optimizer's state dict, the
-  step counts (``step_count``, ``skipped_steps``), the seed, the loss scaler's state
-  and V. That is the executor's whole training state: the random draws of VN i at
-  step s come from generators seeded with ``vn_seed(seed, s, i)`` (Note [VN
-  randomness] in vflow.mapping.rng), so (seed, step_count) *is* the complete VN random
-  state; no generator state is needed, and loading replaces the executor's seed with
-  the state's.
+  step counts (``step_count``, ``skipped_steps``), the seed, the loss scaler's state,
+  the registered objects' states (``registered``, Note [Registered state] in
+  vflow.runtime.registered_state) and V. That is the executor's whole training state:
+  the random draws of VN i at step s come from generators seeded with
+  ``vn_seed(seed, s, i)`` (Note [VN randomness] in vflow.mapping.rng), so (seed,
+  step_count) *is* the complete VN random state; no generator state is needed, and
+  loading replaces the executor's seed with the state's.
 
 Plan independence
   Nothing in it depends on the plan or on the number of workers: every worker holds
@@ -37,6 +38,7 @@ import torch
 
 from vflow._version import __version__
 from vflow.runtime.amp import LossScaler
+from vflow.runtime.registered_state import RegisteredState
 from vflow.world.membership import map_tensors
 
 FORMAT = "vflow.executor"
@@ -61,13 +63,14 @@ _MAX_LISTED = 8
 
 @dataclass
 class Target:
-    """What a state is read from or loaded into: an Executor's model, optimizer and
-    loss scaler, for its V."""
+    """What a state is read from or loaded into: an Executor's model, optimizer, loss
+    scaler and registered objects, for its V."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scaler: LossScaler | None
     virtual_nodes: int
+    registered: RegisteredState
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ def build(
         "optimizer": target.optimizer.state_dict(),
         "optimizer_class": _class_name(target.optimizer),
         "loss_scaler": None if target.scaler is None else target.scaler.state_dict(),
+        "registered": target.registered.state_dict(),
         "written_by": {
             "world_size": world_size,
             "plan_counts": plan_counts,
@@ -129,6 +133,7 @@ def load(target: Target, state: Any, *, assign: bool = False) -> Progress:
         target.optimizer.load_state_dict(optimizer_state)
         if target.scaler is not None:
             target.scaler.load_state_dict(state["loss_scaler"])
+        target.registered.load(_registered(state))
     except BaseException:
         snapshot.restore(target)
         raise
@@ -168,6 +173,7 @@ class _Snapshot:
     model: dict[str, Any]
     optimizer: dict[str, Any]
     scaler: dict[str, Any] | None
+    registered: dict[str, Any]
 
     @classmethod
     def take(cls, target: Target) -> _Snapshot:
@@ -175,6 +181,7 @@ class _Snapshot:
             model=copy_to_cpu(target.model.state_dict()),
             optimizer=copy_to_cpu(target.optimizer.state_dict()),
             scaler=None if target.scaler is None else dict(target.scaler.state_dict()),
+            registered=target.registered.snapshot(),
         )
 
     def restore(self, target: Target) -> None:
@@ -182,6 +189,7 @@ class _Snapshot:
         target.optimizer.load_state_dict(self.optimizer)
         if target.scaler is not None and self.scaler is not None:
             target.scaler.load_state_dict(self.scaler)
+        target.registered.restore(self.registered)
 
 
 # ---- validation -------------------------------------------------------------------------
@@ -232,6 +240,13 @@ def _validate(target: Target, state: Any) -> None:
     _check_model(target.model, state["model"])
     _check_optimizer(target.optimizer, state["optimizer"], state["optimizer_class"])
     _check_scaler(target.scaler, state["loss_scaler"])
+    target.registered.check(_registered(state), "state['registered']")
+
+
+def _registered(state: Mapping[str, Any]) -> Any:
+    """The registered objects' states; a state written before ``register_state`` existed
+    has none."""
+    return state.get("registered", {})
 
 
 def _int(state: Mapping[str, Any], key: str, minimum: int) -> int:
