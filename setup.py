@@ -4,6 +4,9 @@ The CUDA kernels are compiled when the *toolchain* supports them (a CUDA build o
 PyTorch and an nvcc that cpp_extension can find), never based on whether a GPU is
 visible: wheels are often built on machines without one. ``VFLOW_CUDA`` overrides
 the decision (``0`` forces a CPU-only build, ``1`` fails loudly if CUDA is missing).
+Before compiling CUDA it stops, naming the releases and the ways out, when nvcc cannot
+build against the installed torch's CUDA and headers (Note [nvcc, torch's CUDA and the
+headers]).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import re
+import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -63,6 +67,111 @@ def _nvidia_wheel_includes() -> list[str]:
     return found
 
 
+def nvcc_release(version_text: str) -> tuple[int, int] | None:
+    """The CUDA release in ``nvcc --version``'s output ("... release 13.0, V13.0.88")."""
+    match = re.search(r"release (\d+)\.(\d+)", version_text)
+    return None if match is None else (int(match.group(1)), int(match.group(2)))
+
+
+def cudart_release(header_text: str) -> tuple[int, int] | None:
+    """The CUDA release of a cuda_runtime_api.h (``#define CUDART_VERSION 13020``)."""
+    match = re.search(r"^\s*#\s*define\s+CUDART_VERSION\s+(\d+)", header_text, re.MULTILINE)
+    if match is None:
+        return None
+    number = int(match.group(1))
+    return number // 1000, number % 1000 // 10
+
+
+def _release(version: tuple[int, int]) -> str:
+    return f"{version[0]}.{version[1]}"
+
+
+# Note [nvcc, torch's CUDA and the headers]
+# A CUDA build involves three CUDA releases: nvcc's, the one torch was built with
+# (torch.version.cuda), and the one of the cuda_runtime_api.h first on the include path,
+# which is the CUDA build of torch's own nvidia wheels when they have one (setup.py puts
+# them first, for the cuBLAS and cuSPARSE headers a bare toolkit may lack), else nvcc's.
+# * nvcc and torch of different majors: cpp_extension refuses them too, as the build
+#   starts, naming no way out.
+# * nvcc and the headers of different releases: CCCL (cuda/std/__cccl/cuda_toolkit.h,
+#   which torch's CUDA headers include) stops with "CUDA compiler and CUDA toolkit
+#   headers are incompatible" unless nvcc's major.minor equals CUDART_VERSION's, older
+#   or newer alike, and only when the first .cu file compiles: minutes in on 2 cores.
+# * nvcc and torch of one major, different minors, with nvcc's own headers: cpp_extension
+#   warns and the build works.
+def cuda_mismatch(
+    nvcc: tuple[int, int],
+    torch_cuda: str,
+    torch_version: str,
+    headers: tuple[int, int] | None,
+    headers_dir: str | None,
+) -> str | None:
+    """Why nvcc cannot build against this torch and these headers, or None when it can.
+
+    ``headers``: the release of the wheel headers put first on the include path
+    (``headers_dir``), None when the build would use nvcc's own.
+    """
+    if nvcc[0] != int(torch_cuda.split(".")[0]):
+        problem = (
+            f"nvcc is CUDA {_release(nvcc)} but torch {torch_version} was built with CUDA "
+            f"{torch_cuda}: a CUDA extension needs both of one major release"
+        )
+    elif headers is not None and headers != nvcc:
+        problem = (
+            f"nvcc is CUDA {_release(nvcc)} but the CUDA headers this build puts first on the "
+            f"include path are CUDA {_release(headers)} ({headers_dir}, from the nvidia wheels "
+            f"of torch {torch_version}, built with CUDA {torch_cuda}): CCCL, which torch's CUDA "
+            "headers include, refuses every CUDA file unless nvcc's release is the headers' "
+            '("CUDA compiler and CUDA toolkit headers are incompatible")'
+        )
+    else:
+        return None
+    wanted = _release(headers) if headers is not None else torch_cuda
+    return (
+        f"vflow: {problem}.\nWays out:\n"
+        "  * a CPU-only build (no CUDA kernels): VFLOW_CUDA=0 pip install --no-build-isolation .\n"
+        f"  * a CUDA {wanted} toolkit: CUDA_HOME=/path/to/cuda-{wanted} (its bin/nvcc)\n"
+        f"  * a torch built for nvcc's CUDA {_release(nvcc)} (torch.version.cuda == "
+        f"'{_release(nvcc)}'), then build again"
+    )
+
+
+def _check_cuda_toolchain(include_dirs: list[str]) -> None:
+    """Stops before any compiling when nvcc, torch and the headers cannot work together
+    (Note [nvcc, torch's CUDA and the headers])."""
+    assert CUDA_HOME is not None and torch.version.cuda is not None
+    nvcc_path = Path(CUDA_HOME) / "bin" / "nvcc"
+    try:
+        out = subprocess.run(
+            [str(nvcc_path), "--version"], capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        sys.exit(f"vflow: cannot run {nvcc_path} --version ({exc}); set CUDA_HOME to a toolkit")
+    nvcc = nvcc_release(out)
+    if nvcc is None:
+        sys.exit(f"vflow: {nvcc_path} --version names no CUDA release:\n{out}")
+    headers, headers_dir = None, None
+    for folder in include_dirs:
+        header = Path(folder) / "cuda_runtime_api.h"
+        if header.is_file():
+            headers, headers_dir = cudart_release(header.read_text(errors="replace")), folder
+            break
+    if headers_dir is None:
+        where = "nvcc's own"
+    elif headers is None:  # no CUDART_VERSION to compare: left to the compiler
+        where = f"of no release CUDART_VERSION names, in {headers_dir}"
+    else:
+        where = f"CUDA {_release(headers)} in {headers_dir}"
+    print(
+        f"vflow: nvcc CUDA {_release(nvcc)} ({nvcc_path}), torch CUDA {torch.version.cuda}, "
+        f"headers {where}",
+        flush=True,
+    )
+    problem = cuda_mismatch(nvcc, torch.version.cuda, torch.__version__, headers, headers_dir)
+    if problem is not None:
+        sys.exit(problem)
+
+
 def _extension():
     use_cuda, reason = _cuda_decision()
     print(f"vflow: CUDA kernels {'ON' if use_cuda else 'OFF'} ({reason})", flush=True)
@@ -96,6 +205,8 @@ def _extension():
         return CppExtension(
             "vflow._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link
         )
+    include_dirs = _nvidia_wheel_includes()
+    _check_cuda_toolchain(include_dirs)
     if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
         os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
     print(f"vflow: TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '(visible GPUs)')}")
@@ -105,7 +216,7 @@ def _extension():
     return CUDAExtension(
         "vflow._C",
         [*sources, "csrc/cuda/accumulate_cuda.cu", "csrc/cuda/exact_cuda.cu"],
-        include_dirs=_nvidia_wheel_includes(),
+        include_dirs=include_dirs,
         extra_compile_args={"cxx": [*cxx, "-DVFLOW_WITH_CUDA"], "nvcc": nvcc},
     )
 

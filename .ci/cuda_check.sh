@@ -21,6 +21,10 @@
 # leaves a .so behind nor clobbers the CPU build of the repo's own .venv.
 set -euo pipefail
 
+# Its wheels bring CUDA 13.0 headers (cuda-toolkit==13.0.3 in torch's metadata, so
+# nvidia-cuda-runtime 13.0), which setup.py puts first on the include path: the nvcc of
+# CUDA_HOME must be 13.0 too, or setup.py stops before compiling (Note [nvcc, torch's
+# CUDA and the headers]). A newer torch here needs the toolkit of its CUDA release.
 TORCH_VERSION=2.14.1
 VENV="${1:-/tmp/vflow-cuda-venv}"
 PYTHON="${PYTHON:-python3}"

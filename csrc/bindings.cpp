@@ -151,7 +151,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("end_vn", &Reducer::end_vn, py::call_guard<py::gil_scoped_release>())
       .def("abort_vn", &Reducer::abort_vn, py::call_guard<py::gil_scoped_release>())
       .def("start_stats", &Reducer::start_stats, py::arg("stats"),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("with_buckets") = false, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("stats_with_buckets", &Reducer::stats_with_buckets)
       .def("wait_stats", &Reducer::wait_stats, py::call_guard<py::gil_scoped_release>())
       .def("finalize", &Reducer::finalize, py::arg("factor"), py::arg("found_nonfinite"),
            py::call_guard<py::gil_scoped_release>())

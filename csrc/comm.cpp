@@ -37,6 +37,20 @@ c10::intrusive_ptr<c10d::Work> Comm::all_reduce(at::Tensor tensor, const std::st
   }
 }
 
+c10::intrusive_ptr<c10d::Work> Comm::all_gather(at::Tensor input, std::vector<at::Tensor> outputs,
+                                                const std::string& what) {
+  RECORD_FUNCTION("vflow::all_gather", std::vector<c10::IValue>());
+  std::vector<at::Tensor> inputs{std::move(input)};
+  std::vector<std::vector<at::Tensor>> gathered{std::move(outputs)};
+  c10d::AllgatherOptions options;
+  options.timeout = timeout_;
+  try {
+    return group_->allgather(gathered, inputs, options);
+  } catch (const std::exception& e) {
+    fail("starting the " + what, error_text(e));
+  }
+}
+
 c10::intrusive_ptr<c10d::Work> Comm::send(at::Tensor tensor, int64_t peer, int tag,
                                           const std::string& what) {
   return point_to_point(/*send=*/true, std::move(tensor), peer, tag, what);

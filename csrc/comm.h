@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace vflow {
 
@@ -49,6 +50,10 @@ class Comm {
   // Asynchronous all-reduce of `tensor` in place. `what` names it in errors.
   c10::intrusive_ptr<c10d::Work> all_reduce(at::Tensor tensor, const std::string& what,
                                             c10d::ReduceOp::RedOpType op = c10d::ReduceOp::SUM);
+  // Asynchronous all-gather: `outputs[r]` becomes rank r's `input` (one output per rank,
+  // each shaped like `input`).
+  c10::intrusive_ptr<c10d::Work> all_gather(at::Tensor input, std::vector<at::Tensor> outputs,
+                                            const std::string& what);
   // Asynchronous point-to-point transfer with `peer` (a rank of the group).
   c10::intrusive_ptr<c10d::Work> send(at::Tensor tensor, int64_t peer, int tag,
                                       const std::string& what);

@@ -140,6 +140,8 @@ void Reducer::begin_step(int64_t step) {
   early_launches_ = 0;
   stats_work_.reset();
   stats_sum_ = at::Tensor();
+  stats_carried_ = false;
+  stats_wait_seconds_ = 0.0;
   in_step_ = true;
   last_vn_ = false;
   comm_.set_step(step);
@@ -301,15 +303,29 @@ void Reducer::launch_ready() {
   }
 }
 
-void Reducer::start_stats(const at::Tensor& stats) {
+void Reducer::start_stats(const at::Tensor& stats, bool with_buckets) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(in_step_, "Reducer::start_stats called outside a step");
   TORCH_CHECK(next_launch_ == 0 && !stats_sum_.defined(),
               "Reducer::start_stats must precede every bucket's reduction and run once");
+  TORCH_CHECK(!with_buckets || (stats.scalar_type() == at::kDouble && stats.dim() == 1),
+              "statistics that ride with the buckets must be a 1-D float64 tensor, got ",
+              stats.scalar_type(), " of shape ", stats.sizes());
   stats_sum_ = stats.clone(at::MemoryFormat::Contiguous);
-  if (comm_.reduces()) {
-    stats_work_ = comm_.all_reduce(stats_sum_, kStatsName);
+  if (!comm_.reduces()) {
+    return;
   }
+  if (with_buckets && reduction_->carries_stats(comm_, stats_sum_.numel())) {
+    reduction_->attach_stats(stats_sum_);
+    stats_carried_ = true;
+    return;
+  }
+  stats_work_ = comm_.all_reduce(stats_sum_, kStatsName);
+}
+
+bool Reducer::stats_with_buckets() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_carried_;
 }
 
 at::Tensor Reducer::wait_stats() {
@@ -318,6 +334,16 @@ at::Tensor Reducer::wait_stats() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(stats_sum_.defined(), "Reducer::wait_stats must follow start_stats");
+    if (stats_carried_) {
+      TORCH_CHECK(in_step_ && next_launch_ == buckets_.size(),
+                  "Reducer::wait_stats: statistics that ride with the buckets are waited for "
+                  "after the step's last VN");
+      const auto start = std::chrono::steady_clock::now();
+      at::Tensor carried = reduction_->wait_stats(comm_);
+      stats_wait_seconds_ =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      return carried;
+    }
     work = stats_work_;
     sums = stats_sum_;
   }
@@ -344,7 +370,8 @@ void Reducer::finalize(double factor, const std::vector<at::Tensor>& found_nonfi
     auto work = std::move(stats_work_);
     comm_.wait(work, kStatsName);
   }
-  last_wait_seconds_ =
+  // Time blocked on bucket 0 in wait_stats counts as waiting for the buckets.
+  last_wait_seconds_ = stats_wait_seconds_ +
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   factor = reduction_->write_result(factor);
   for (const auto b : c10::irange(buffers_.size())) {

@@ -50,7 +50,8 @@
 // start the same collectives in the same order even if autograd completes buckets in
 // a different order on different ranks (data-dependent graphs, parameters unused on
 // one rank). A completed bucket is launched only after all lower-numbered buckets
-// were; the step's statistics all-reduce (`start_stats`) goes before all buckets.
+// were; the step's statistics all-reduce (`start_stats`) goes before all buckets, or
+// rides with bucket 0 (Note [Statistics ride with bucket 0], reduction/reduction.h).
 //
 // Note [Changing the worker set]
 // `set_group` replaces the process group between steps (never during one) and has the
@@ -161,12 +162,19 @@ class Reducer final : public GradSink {
   // Starts an all-reduce (SUM) of a copy of `stats`, a small tensor of per-worker
   // totals on the group's communication device, ahead of every bucket of this step
   // (`stats` itself is not touched: Note [Collectives on tensors Python cannot see]).
-  // Without a group of size > 1 nothing is reduced.
-  void start_stats(const at::Tensor& stats);
+  // Without a group of size > 1 nothing is reduced. With `with_buckets` the caller
+  // promises that `stats` is 1-D float64, that each of its values is nonzero on one
+  // worker at most, and that it calls wait_stats only after the last VN ended: the
+  // strategy may then carry it in bucket 0's collective (Note [Statistics ride with
+  // bucket 0], csrc/reduction/reduction.h) rather than in a collective of its own.
+  void start_stats(const at::Tensor& stats, bool with_buckets = false);
 
-  // Waits for the all-reduce started by start_stats and returns the sums, as a new
+  // Waits for the statistics started by start_stats and returns the sums, as a new
   // tensor.
   at::Tensor wait_stats();
+
+  // Whether this step's statistics ride with bucket 0 (false before start_stats).
+  bool stats_with_buckets() const;
 
   // Waits for every bucket's reduction, then multiplies every buffer by `factor` in
   // one pass each; with `found_nonfinite` (0-dim float32 per buffer's device, see Note
@@ -190,8 +198,9 @@ class Reducer final : public GradSink {
     return comm_.last_failure();
   }
 
-  // Host seconds the last finalize spent blocked on collectives (the reduction time
-  // that backward did not hide).
+  // Host seconds the last step spent blocked on the buckets' collectives after its
+  // backward (the reduction time that backward did not hide): finalize's waits, and
+  // wait_stats' when the statistics rode with bucket 0.
   double last_wait_seconds() const {
     return last_wait_seconds_;
   }
@@ -249,7 +258,9 @@ class Reducer final : public GradSink {
   size_t next_launch_ = 0;
   c10::intrusive_ptr<c10d::Work> stats_work_;
   at::Tensor stats_sum_;  // what stats_work_ reduces; never handed to Python
+  bool stats_carried_ = false;  // the statistics ride with bucket 0's collective
   double last_wait_seconds_ = 0.0;
+  double stats_wait_seconds_ = 0.0;  // blocked in wait_stats on bucket 0 (carried stats)
   int64_t early_launches_ = 0;
 };
 

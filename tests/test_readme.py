@@ -1,17 +1,20 @@
 """README.md and docs/ as a new user reads them: every command the README shows works as
 written right after ``make demo`` / ``make test`` from a clean clone, which install
-vflow into .venv and not into the system Python; the README's single-process snippets
-run; every vflow name and every file the docs give exists; and every snippet that calls
-``ex.infer`` puts the model in eval mode first. (The README's torchrun and elastic lines
-run in tests/test_examples.py and tests/elastic/test_train_elastic.py.)"""
+vflow into .venv and not into the system Python, and some test runs it (the registry
+below); the README's single-process snippets run as pasted; its links lead somewhere;
+every vflow name and every file the docs give exists; and every snippet that calls
+``ex.infer`` puts the model in eval mode first."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
+import shlex
 import shutil
 import subprocess
 import sys
+import types
 import warnings
 from pathlib import Path
 
@@ -19,7 +22,8 @@ import pytest
 import torch
 
 import vflow
-from tests.support import plan_follow
+from tests.support import plan_follow, several_hosts
+from vflow.__main__ import COMMANDS
 from vflow.world.launch import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +80,187 @@ def test_the_venv_has_the_commands_the_readme_names() -> None:
     for command in (".venv/bin/torchrun", ".venv/bin/python"):
         if command in README:
             assert shutil.which(Path(command).name, path=str(ROOT / ".venv" / "bin"))
+
+
+# ---- every README command, and the test that runs it -----------------------------------
+
+# Each shell command README.md shows (comments and a trailing & dropped), and where it
+# runs: a test, by path::name, or .ci/run. A command the README shows that is missing here
+# fails test_every_readme_command_is_run_somewhere: write or name the test that runs it,
+# then add its line. The tests of the elastic, several-machine and cluster lines read them
+# from README.md itself; the others' flags are checked here as written
+# (test_the_readmes_example_commands_parse_as_written).
+_ELASTIC = "tests/elastic/test_train_elastic.py::"
+_HOSTS = "tests/elastic/test_several_machines.py::"
+_CLUSTER = "tests/cluster/test_cli.py::test_the_readmes_cluster_commands_run_as_written"
+_FLAGS = "--job j1 --steps 200 --virtual-nodes 8 --seed 0 --deterministic --out final.pt"
+README_COMMANDS: dict[str, str] = {
+    "make demo": ".ci/run",
+    "make test": ".ci/run",
+    ".venv/bin/torchrun --standalone --nproc_per_node=2 examples/train_digits.py": (
+        "tests/test_examples.py::test_same_parameters_on_any_number_of_processes"
+    ),
+    ".venv/bin/python -m vflow rendezvous --port 29400": (
+        _ELASTIC + "test_the_readme_lines_grow_crash_and_grow_again_bitwise_as_one_worker"
+    ),
+    f".venv/bin/python examples/train_elastic.py --rdzv 127.0.0.1:29400 {_FLAGS} --sleep 0.15": (
+        _ELASTIC + "test_the_readme_lines_grow_crash_and_grow_again_bitwise_as_one_worker"
+    ),
+    ".venv/bin/python -m vflow rendezvous --host 10.0.0.1 --port 29400": (
+        _HOSTS + "test_the_readme_lines_run_as_written_on_two_hosts"
+    ),
+    f".venv/bin/python examples/train_elastic.py --rdzv 10.0.0.1:29400 {_FLAGS} --sleep 0.1": (
+        _HOSTS + "test_the_readme_lines_run_as_written_on_two_hosts"
+    ),
+    ".venv/bin/python -m vflow cluster generate --seed 0 --out trace.json": _CLUSTER,
+    ".venv/bin/python -m vflow cluster simulate --trace trace.json --policy priority "
+    "--out priority.json": _CLUSTER,
+    ".venv/bin/python -m vflow cluster simulate --trace trace.json --policy wfs "
+    "--out wfs.json": _CLUSTER,
+}
+
+
+def _readme_commands() -> list[list[str]]:
+    """Every command line of the README's shell blocks, as words, without comments and
+    without a trailing ``&``."""
+    commands = []
+    for block in _blocks(README, "bash"):
+        for line in block.splitlines():
+            words = shlex.split(line, comments=True)
+            commands.append(words[:-1] if words[-1:] == ["&"] else words)
+    return [words for words in commands if words]
+
+
+def test_every_readme_command_is_run_somewhere() -> None:
+    shown = {" ".join(words) for words in _readme_commands()}
+    assert shown, "the README shows no shell command"
+    unregistered = sorted(shown - README_COMMANDS.keys())
+    assert not unregistered, (
+        f"README commands that no test is known to run (tests/test_readme.py, "
+        f"README_COMMANDS): {unregistered}"
+    )
+    stale = sorted(README_COMMANDS.keys() - shown)
+    assert not stale, f"README_COMMANDS lists commands the README no longer shows: {stale}"
+
+
+@pytest.mark.parametrize("where", sorted(set(README_COMMANDS.values())))
+def test_the_tests_that_run_readme_commands_exist(where: str) -> None:
+    if where == ".ci/run":
+        ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+        makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+        assert "make demo" in ci and re.search(r"^demo:", makefile, re.MULTILINE)
+        # .ci/run runs the first "make test" line of README.md (its sed, in Python).
+        assert re.search(r"^make test( .*)?$", README, re.MULTILINE), "README: no make test line"
+        assert "README.md" in ci and re.search(r"^test:", makefile, re.MULTILINE)
+        return
+    path, name = where.split("::")
+    source = (ROOT / path).read_text(encoding="utf-8")
+    assert re.search(rf"^def {name}\(", source, re.MULTILINE), f"{where} is not a test"
+
+
+def test_the_tests_that_read_readme_lines_are_registered_for_them() -> None:
+    """What the README-reading tests take from README.md is what the registry says
+    they run."""
+    read = {
+        _ELASTIC: several_hosts.readme_lines("### Elastic jobs"),
+        _HOSTS: several_hosts.readme_lines(),
+    }
+    for prefix, lines in read.items():
+        for words in lines:
+            assert README_COMMANDS.get(" ".join(words), "").startswith(prefix), words
+    cluster = [line.strip() for line in README.splitlines()]
+    cluster = [line for line in cluster if line.startswith(".venv/bin/python -m vflow cluster ")]
+    assert cluster and all(README_COMMANDS.get(line) == _CLUSTER for line in cluster), cluster
+
+
+def _example_module(script: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(f"readme_{Path(script).stem}", ROOT / script)
+    assert spec is not None and spec.loader is not None, script
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readmes_example_commands_parse_as_written() -> None:
+    """The launchers' flags and each example's flags, as the README writes them, are
+    accepted (argparse exits on an unknown flag), and every ``-m vflow`` command exists."""
+    from torch.distributed.run import get_args_parser
+
+    examples = 0
+    for words in _readme_commands():
+        if words[0] == "make":
+            continue
+        assert words[0] in (".venv/bin/python", ".venv/bin/torchrun"), words
+        if words[1:2] == ["-m"]:
+            assert words[2] == "vflow" and words[3] in COMMANDS, words
+            continue
+        script = next(i for i, word in enumerate(words) if word.endswith(".py"))
+        world_size = 1
+        parse_args = _example_module(words[script]).parse_args
+        argv = words[script + 1 :]
+        try:  # argparse exits with status 2 on a flag it does not know
+            if words[0].endswith("torchrun"):
+                launcher = get_args_parser().parse_args([*words[1:script], words[script]])
+                world_size = int(launcher.nproc_per_node)
+            if "world_size" in parse_args.__code__.co_varnames:
+                parse_args(argv, world_size)
+            else:
+                parse_args(argv)
+        except SystemExit as exit_:
+            pytest.fail(
+                f"README command refused its flags (exit {exit_.code}): {shlex.join(words)}"
+            )
+        examples += 1
+    assert examples >= 2, "the README's example commands"
+
+
+def test_readme_python_blocks_each_run_somewhere() -> None:
+    """The README's python blocks: single-process ones run below as pasted; the one that
+    needs a process group is the "Many workers" loop, run on two Gloo ranks below."""
+    distributed = [b for b in _blocks(README, "python") if "dist." in b]
+    assert distributed == [plan_follow.readme_snippet()]
+
+
+_SLUG_DROP = re.compile(r"[^\w\- ]")
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's anchors for the headings of ``markdown`` (a repeated one gets -1, -2, ...)."""
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", FENCE.sub("", markdown), re.MULTILINE):
+        slug = _SLUG_DROP.sub("", heading.strip().lower()).replace(" ", "-")
+        candidate, n = slug, 0
+        while candidate in anchors:
+            n += 1
+            candidate = f"{slug}-{n}"
+        anchors.add(candidate)
+    return anchors
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/setup.md", "docs/demo.md"])
+def test_the_links_lead_to_a_file_and_a_heading(doc: str) -> None:
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)\s]+)\)", FENCE.sub("", text))
+    local = [link for link in links if not re.match(r"\w+://", link)]
+    assert local, f"{doc} links to nothing"
+    broken = []
+    for link in local:
+        target, _, anchor = link.partition("#")
+        path = (ROOT / doc).parent / target if target else ROOT / doc
+        if not path.exists():
+            broken.append(link)
+        elif anchor and anchor not in _anchors(path.read_text(encoding="utf-8")):
+            broken.append(link)
+    assert not broken, f"{doc}: links to no file or no heading: {broken}"
+
+
+def test_readme_is_a_five_minute_read() -> None:
+    """Issue 34: what vflow is, the set-up, a loop, the capabilities and the limits; the
+    rest lives in docs/."""
+    lines = README.count("\n")
+    assert lines <= 200, f"README.md has {lines} lines: move detail to docs/"
+    for heading in ("## Set-up", "## A training loop", "## What vflow does", "## Limits"):
+        assert f"\n{heading}\n" in README, heading
 
 
 @pytest.mark.parametrize(("name", "text"), [("README.md", README), ("docs/guide.md", GUIDE)])
@@ -138,37 +323,20 @@ def test_every_file_the_docs_name_exists(doc: str) -> None:
     assert not missing, f"{doc} names files that are not there: {missing}"
 
 
-# The names the README's snippets assume: a model, its optimizer, a loss, a loader of
-# global batches, test inputs, an epoch. Each snippet runs on its own, as a reader would
-# paste it; those that need a process group (torchrun, a rendezvous store) run in the
-# examples' tests instead.
-_PRELUDE = """
-import torch
-import vflow
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-loss_fn = lambda model, batch: torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
-loader = [(torch.randn(48, 8), torch.randint(0, 4, (48,))) for _ in range(3)]
-dataset = torch.utils.data.TensorDataset(torch.randn(96, 8), torch.randint(0, 4, (96,)))
-B = 48
-x_test = torch.randn(10, 8)
-epoch = 0
-"""
 _RUN_EACH = """
 import sys
-import warnings
 for number, snippet in enumerate(sys.argv[1:]):
-    exec(compile(PRELUDE + snippet, f"README python snippet {number}", "exec"), {})
+    exec(compile(snippet, f"README python snippet {number}", "exec"), {})
 print("ran", len(sys.argv) - 1)
 """
 
 
-def test_the_readmes_single_process_snippets_run(tmp_path: Path) -> None:
-    blocks = [b for b in _blocks(README, "python") if "dist." not in b and "ElasticJob" not in b]
-    assert len(blocks) >= 3, "the README's single-process snippets"
+def test_the_readmes_single_process_snippets_run_as_pasted(tmp_path: Path) -> None:
+    """Each block on its own, with nothing defined before it, as a reader pastes it."""
+    blocks = [b for b in _blocks(README, "python") if "dist." not in b]
+    assert blocks, "the README's single-process snippets"
     result = subprocess.run(
-        [sys.executable, "-c", f"PRELUDE = {_PRELUDE!r}\n{_RUN_EACH}", *blocks],
+        [sys.executable, "-c", _RUN_EACH, *blocks],
         cwd=tmp_path,
         capture_output=True,
         text=True,

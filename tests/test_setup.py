@@ -4,6 +4,7 @@ import os
 import runpy
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,119 @@ def test_an_isolated_build_refuses_to_replace_the_environments_torch(tmp_path: P
     check(isolated, "2.14.1+cu130", [site])
     check(isolated, "2.13.0+cpu", [_fake_environment(tmp_path / "empty-env", None)])
     check(str(site / "torch" / "__init__.py"), "2.14.1+cu130", [site])
+
+
+def _setup_functions() -> dict:
+    return runpy.run_path(str(ROOT / "setup.py"), run_name="vflow_setup")
+
+
+NVCC_13_0 = """nvcc: NVIDIA (R) Cuda compiler driver
+Copyright (c) 2005-2025 NVIDIA Corporation
+Built on Wed_Aug_20_01:58:59_PM_PDT_2025
+Cuda compilation tools, release 13.0, V13.0.88
+Build cuda_13.0.r13.0/compiler.36424714_0
+"""
+
+
+def test_the_releases_are_read_from_nvcc_and_the_runtime_header() -> None:
+    setup = _setup_functions()
+    assert setup["nvcc_release"](NVCC_13_0) == (13, 0)
+    assert setup["nvcc_release"]("nvcc: command of another kind") is None
+    header = "/* ... */\n#define CUDART_VERSION  13020\n#include <cuda_device_runtime_api.h>\n"
+    assert setup["cudart_release"](header) == (13, 2)
+    assert setup["cudart_release"]("#define CUDART_VERSION 12090\n") == (12, 9)
+    assert setup["cudart_release"]("#define CUDA_VERSION 13020\n") is None
+
+
+WAYS_OUT = (
+    "Ways out:\n"
+    "  * a CPU-only build (no CUDA kernels): VFLOW_CUDA=0 pip install --no-build-isolation .\n"
+)
+
+
+def test_nvcc_older_than_the_wheel_headers_is_refused_naming_both_and_the_ways_out() -> None:
+    """torch 2.15.0+cu132 brings CUDA 13.2 headers, which setup.py puts first; nvcc 13.0
+    would fail on CCCL's check minutes into the build (issue 34)."""
+    mismatch = _setup_functions()["cuda_mismatch"]
+    message = mismatch((13, 0), "13.2", "2.15.0+cu132", (13, 2), "/env/nvidia/cu13/include")
+    assert message.startswith(
+        "vflow: nvcc is CUDA 13.0 but the CUDA headers this build puts first on the include "
+        "path are CUDA 13.2 (/env/nvidia/cu13/include, from the nvidia wheels of torch "
+        "2.15.0+cu132, built with CUDA 13.2)"
+    )
+    assert '"CUDA compiler and CUDA toolkit headers are incompatible"' in message
+    assert WAYS_OUT in message
+    assert "  * a CUDA 13.2 toolkit: CUDA_HOME=/path/to/cuda-13.2 (its bin/nvcc)\n" in message
+    assert message.endswith(
+        "  * a torch built for nvcc's CUDA 13.0 (torch.version.cuda == '13.0'), then build again"
+    )
+
+
+def test_nvcc_newer_than_the_wheel_headers_is_refused_too() -> None:
+    """CCCL asks for nvcc's major.minor to equal the headers', in both directions."""
+    mismatch = _setup_functions()["cuda_mismatch"]
+    message = mismatch((13, 2), "13.0", "2.14.1+cu130", (13, 0), "/env/nvidia/cu13/include")
+    assert message.startswith("vflow: nvcc is CUDA 13.2 but the CUDA headers this build puts")
+    assert "  * a CUDA 13.0 toolkit: CUDA_HOME=/path/to/cuda-13.0 (its bin/nvcc)\n" in message
+
+
+def test_nvcc_of_another_major_than_torch_is_refused() -> None:
+    mismatch = _setup_functions()["cuda_mismatch"]
+    message = mismatch((12, 8), "13.2", "2.15.0+cu132", None, None)
+    assert message.startswith(
+        "vflow: nvcc is CUDA 12.8 but torch 2.15.0+cu132 was built with CUDA 13.2: a CUDA "
+        "extension needs both of one major release.\n"
+    )
+    assert WAYS_OUT in message
+    assert "  * a CUDA 13.2 toolkit: CUDA_HOME=/path/to/cuda-13.2 (its bin/nvcc)\n" in message
+
+
+def test_combinations_that_build_are_let_through() -> None:
+    mismatch = _setup_functions()["cuda_mismatch"]
+    # .ci/cuda_check.sh's: torch 2.14.1's wheels are CUDA 13.0 (cuda-toolkit==13.0.3 in
+    # its metadata), nvcc 13.0.
+    assert mismatch((13, 0), "13.0", "2.14.1+cu130", (13, 0), "/env/nvidia/cu13/include") is None
+    # nvcc's own headers, torch of the same major: cpp_extension only warns.
+    assert mismatch((13, 0), "13.2", "2.15.0+cu132", None, None) is None
+    assert mismatch((13, 2), "13.0", "2.14.1+cu130", None, None) is None
+
+
+def _fake_toolkit(root: Path, nvcc_output: str) -> Path:
+    bin_dir = root / "bin"
+    bin_dir.mkdir(parents=True)
+    nvcc = bin_dir / "nvcc"
+    nvcc.write_text(f"#!/bin/sh\ncat <<'END'\n{nvcc_output}END\n")
+    nvcc.chmod(0o755)
+    return root
+
+
+def test_the_check_runs_nvcc_and_reads_the_first_runtime_header(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The wiring of the check, without a CUDA torch or a real toolkit: the nvcc of
+    CUDA_HOME is asked its release, and the first include folder holding
+    cuda_runtime_api.h gives the headers'."""
+    check = _setup_functions()["_check_cuda_toolchain"]
+    cuda_torch = types.SimpleNamespace(
+        __version__="2.15.0+cu132", version=types.SimpleNamespace(cuda="13.2")
+    )
+    monkeypatch.setitem(check.__globals__, "torch", cuda_torch)
+    monkeypatch.setitem(
+        check.__globals__, "CUDA_HOME", str(_fake_toolkit(tmp_path / "cuda", NVCC_13_0))
+    )
+    no_runtime = tmp_path / "nvidia" / "cudnn" / "include"
+    wheel = tmp_path / "nvidia" / "cu13" / "include"
+    for folder in (no_runtime, wheel):
+        folder.mkdir(parents=True)
+    (wheel / "cuda_runtime_api.h").write_text("#define CUDART_VERSION  13020\n")
+    with pytest.raises(SystemExit, match=r"^vflow: nvcc is CUDA 13\.0 but .* are CUDA 13\.2 \("):
+        check([str(no_runtime), str(wheel)])
+    check([str(no_runtime)])  # nvcc's own headers
+    (wheel / "cuda_runtime_api.h").write_text("#define CUDART_VERSION  13000\n")
+    check([str(no_runtime), str(wheel)])
+    (wheel / "cuda_runtime_api.h").write_text("/* a header of another layout */\n")
+    capsys.readouterr()
+    check([str(no_runtime), str(wheel)])
+    assert capsys.readouterr().out.endswith(
+        f"torch CUDA 13.2, headers of no release CUDART_VERSION names, in {wheel}\n"
+    )

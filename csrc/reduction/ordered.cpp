@@ -23,6 +23,18 @@
 // partial sums: with aligned plans (C = 1) that is what a ring all-reduce moves.
 // The schedule depends on the plan and on this worker's rank, so it is world-dependent
 // state: every new worker set clears it and the Python layer sets the new one.
+//
+// Note [Gathered buckets]
+// Phases 1 and 2 are two rounds of messages, each paying the backend's latency; for a
+// small bucket that latency is the whole cost. A bucket of which every worker would
+// receive at most kGatherBytes in all is therefore exchanged in one round instead: one
+// all-gather of each worker's block (its partial sums, padded to the largest cover of
+// any worker, and for bucket 0 the statistics' pieces of Note [Statistics ride with
+// bucket 0]), after which every worker pushes all partials of the whole bucket through
+// the same stack in VN order (the same combine merges) and writes the root to its
+// GradBuffer. Each element goes through the same float additions in the same order as
+// in the sharded combine, so the bits do not depend on which way a bucket went; every
+// worker decides the same way from the bucket's size and the tree.
 #include "reduction.h"
 
 #include "../ops.h"
@@ -30,6 +42,7 @@
 #include <ATen/record_function.h>
 #include <c10/util/irange.h>
 
+#include <algorithm>
 #include <limits>
 
 namespace vflow {
@@ -66,6 +79,8 @@ void OrderedSum::set_world(const Comm& comm) {
   combine_merges_.clear();
   for (auto& exchange : exchanges_) {
     exchange.received = at::Tensor();
+    exchange.block = at::Tensor();
+    exchange.blocks.clear();
   }
 }
 
@@ -178,9 +193,116 @@ int64_t OrderedSum::shard_begin(const BucketInfo& bucket, int64_t rank) const {
   return bucket.flat.numel() * rank / world_size_;
 }
 
+int64_t OrderedSum::max_cover() const {
+  int64_t most = 1;
+  for (const int64_t count : cover_counts_) {
+    most = std::max(most, count);
+  }
+  return most;
+}
+
+bool OrderedSum::gathers(size_t index) const {
+  const BucketInfo& bucket = buckets_[index];
+  const int64_t received = world_size_ * max_cover() * bucket.flat.numel() *
+      static_cast<int64_t>(bucket.flat.element_size());
+  return world_size_ > 1 && received <= kGatherBytes;
+}
+
+bool OrderedSum::carries_stats(const Comm& comm, int64_t numel) const {
+  return comm.reduces() && !cover_counts_.empty() && gathers(0);
+}
+
+// Note [Gathered buckets].
+void OrderedSum::start_gathered(size_t index, Comm& comm) {
+  const BucketInfo& bucket = buckets_[index];
+  Exchange& exchange = exchanges_[index];
+  const int64_t n = bucket.flat.numel();
+  const int64_t covers = max_cover();
+  const int64_t pieces = index == 0 && stats_.defined() ? kStatsPieces * stats_.numel() : 0;
+  const int64_t size = covers * n + pieces;
+  if (!exchange.block.defined() || exchange.block.numel() != size ||
+      static_cast<int64_t>(exchange.blocks.size()) != comm.size()) {
+    // Zeros: the padding of a smaller cover is sent but never read.
+    exchange.block = at::zeros({size}, bucket.flat.options());
+    exchange.blocks.clear();
+    for (int64_t r = 0; r < comm.size(); ++r) {
+      exchange.blocks.push_back(at::empty({size}, bucket.flat.options()));
+    }
+  }
+  for (const auto j : c10::irange(cover_counts_[comm.rank()])) {
+    exchange.block.narrow(0, j * n, n).copy_(level_slice(bucket, j));
+  }
+  if (pieces > 0) {
+    encode_stats(stats_, exchange.block.narrow(0, covers * n, pieces));
+  }
+  exchange.gathered = true;
+  exchange.waited = false;
+  exchange.stats_pieces = pieces;
+  exchange.transfers.push_back(comm.all_gather(
+      exchange.block, exchange.blocks,
+      "all-gather of the partial sums of " + bucket_name(index) +
+          (pieces > 0 ? " and the step's statistics" : "")));
+}
+
+void OrderedSum::wait_gathered(size_t index, Comm& comm) {
+  Exchange& exchange = exchanges_[index];
+  if (exchange.waited) {
+    return;
+  }
+  auto transfers = std::move(exchange.transfers);
+  exchange.transfers.clear();
+  for (const auto& transfer : transfers) {
+    comm.wait(transfer, "all-gather of the partial sums of " + bucket_name(index));
+  }
+  exchange.waited = true;
+}
+
+void OrderedSum::combine_gathered(size_t index, Comm& comm) {
+  wait_gathered(index, comm);
+  RECORD_FUNCTION("vflow::combine", std::vector<c10::IValue>());
+  const BucketInfo& bucket = buckets_[index];
+  Exchange& exchange = exchanges_[index];
+  const int64_t n = bucket.flat.numel();
+  std::vector<at::Tensor> stack;
+  size_t k = 0;
+  for (const auto peer : c10::irange(comm.size())) {
+    for (const auto j : c10::irange(cover_counts_[peer])) {
+      TORCH_INTERNAL_ASSERT(k < combine_merges_.size());
+      stack.push_back(exchange.blocks[peer].narrow(0, j * n, n));
+      for (int64_t m = 0; m < combine_merges_[k]; ++m) {
+        at::Tensor right = std::move(stack.back());
+        stack.pop_back();
+        stack.back().add_(right);
+      }
+      ++k;
+    }
+  }
+  TORCH_INTERNAL_ASSERT(stack.size() == 1 && k == combine_merges_.size());
+  bucket.flat.copy_(stack[0]);
+  exchange.gathered = false;
+}
+
+at::Tensor OrderedSum::wait_stats(Comm& comm) {
+  Exchange& exchange = exchanges_[0];
+  TORCH_CHECK(exchange.gathered && exchange.stats_pieces > 0,
+              "no statistics rode with bucket 0 in this step");
+  wait_gathered(0, comm);
+  const int64_t pieces = exchange.stats_pieces;
+  const int64_t at = exchange.block.numel() - pieces;
+  at::Tensor summed = exchange.blocks[0].narrow(0, at, pieces).clone();
+  for (size_t r = 1; r < exchange.blocks.size(); ++r) {
+    summed.add_(exchange.blocks[r].narrow(0, at, pieces));
+  }
+  return decode_stats(summed);
+}
+
 // Phase 1 of Note [Ordered sum].
 void OrderedSum::start(size_t index, Comm& comm) {
   if (!comm.reduces()) {
+    return;
+  }
+  if (gathers(index)) {
+    start_gathered(index, comm);
     return;
   }
   const BucketInfo& bucket = buckets_[index];
@@ -239,6 +361,10 @@ void OrderedSum::start(size_t index, Comm& comm) {
 void OrderedSum::combine_and_share(size_t index, Comm& comm) {
   const BucketInfo& bucket = buckets_[index];
   Exchange& exchange = exchanges_[index];
+  if (exchange.gathered) {
+    combine_gathered(index, comm);
+    return;
+  }
   const std::string what = "exchange of partial sums of " + bucket_name(index);
   auto transfers = std::move(exchange.transfers);
   exchange.transfers.clear();
@@ -313,6 +439,7 @@ std::vector<c10::intrusive_ptr<c10d::Work>> OrderedSum::take_in_flight() {
     }
     exchange.transfers.clear();
     exchange.shard_partials.clear();
+    exchange.gathered = false;
   }
   return out;
 }
@@ -325,8 +452,15 @@ int64_t OrderedSum::bytes_per_step(const Comm& comm) const {
   const int64_t rank = comm.rank();
   const int64_t covers = cover_counts_.empty() ? 1 : cover_counts_[rank];
   int64_t bytes = 0;
-  for (const auto& bucket : buckets_) {
+  for (const auto b : c10::irange(buckets_.size())) {
+    const BucketInfo& bucket = buckets_[b];
     const int64_t numel = bucket.flat.numel();
+    if (!cover_counts_.empty() && gathers(b)) {
+      // A ring all-gather: this worker's block passes on to each of the others.
+      bytes += (world - 1) * max_cover() * numel *
+          static_cast<int64_t>(bucket.flat.element_size());
+      continue;
+    }
     const int64_t own = shard_begin(bucket, rank + 1) - shard_begin(bucket, rank);
     bytes += (covers * (numel - own) + (world - 1) * own) *
         static_cast<int64_t>(bucket.flat.element_size());

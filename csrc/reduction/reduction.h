@@ -12,6 +12,27 @@
 //                     to point (Note [Ordered sum], ordered.cpp);
 //   * ExactSum      — exact integer accumulation, a MAX and a SUM all-reduce per bucket
 //                     (Note [Exact buckets], exact_sum.cpp).
+//
+// Note [Statistics ride with bucket 0]
+// Every collective costs a fixed latency (a backend thread woken, a round trip per
+// peer) whatever its size: on 2 Gloo ranks on one machine about 0.3-0.5 ms, as much
+// as the whole backward of a small model. The step's statistics (csrc/reducer.h,
+// `start_stats`) are a few hundred float64 values, so when the caller says that each
+// of them is nonzero on one worker at most (a sum over workers then only adds zeros:
+// exact in any order and any dtype wide enough), a strategy whose first bucket is
+// small sends them inside that bucket's collective instead of a collective of their
+// own. They travel as 16-bit pieces of their bits, each a whole number in [0, 65535]
+// in the bucket's float dtype (`encode_stats`): adding zeros to such a number is exact
+// in float32 and float64, so the bits arrive unchanged (adding float64 values
+// themselves would not keep -0.0 or a NaN's payload). Which strategies carry them:
+//   * AllReduceSum: bucket 0 and the pieces are copied into one private tensor that is
+//     all-reduced, and the bucket copied back when it is waited for, when bucket 0 is
+//     at most kCarryBytes (the two copies then cost less than a collective);
+//   * OrderedSum: when its bucket 0 is exchanged by one all-gather (Note [Gathered
+//     buckets], ordered.cpp), the pieces are appended to this worker's block;
+//   * ExactSum: not carried (its buckets need two collectives anyway).
+// A bucket 0 larger than that leaves the statistics to their own all-reduce, whose
+// latency its bucket's transfer time dwarfs.
 // A strategy's state splits in two. Per-buffer state (exact accumulators, tree levels)
 // is allocated once in `bind` and lives as long as the buffers. World-dependent state
 // (the tree schedule, which depends on the plan and this worker's rank) is rebuilt by
@@ -32,6 +53,12 @@
 #include "../grad_buffer.h"
 
 namespace vflow {
+
+// Note [Statistics ride with bucket 0]: `stats` (float64, 1-D) as 4 * numel pieces of
+// `dtype` written to `out`, and back from pieces summed over the workers.
+constexpr int64_t kStatsPieces = 4;
+void encode_stats(const at::Tensor& stats, const at::Tensor& out);
+at::Tensor decode_stats(const at::Tensor& pieces);
 
 // One bucket of Note [Buckets] as the strategies see it.
 struct BucketInfo {
@@ -103,8 +130,26 @@ class Reduction {
   // there is no one to reduce with).
   virtual int64_t bytes_per_step(const Comm& comm) const = 0;
 
+  // Note [Statistics ride with bucket 0]: whether bucket 0's collective can carry
+  // `numel` statistics under `comm`. Called at the step's start_stats, before bucket 0
+  // starts.
+  virtual bool carries_stats(const Comm& comm, int64_t numel) const {
+    return false;
+  }
+  // The statistics (float64, 1-D, each value nonzero on one worker at most) that bucket
+  // 0's collective carries in this step; only after carries_stats said yes.
+  void attach_stats(at::Tensor stats) {
+    stats_ = std::move(stats);
+  }
+  // Waits for bucket 0's collective (started already) and returns the attached
+  // statistics summed over the workers, as a new tensor.
+  virtual at::Tensor wait_stats(Comm& comm);
+
  protected:
   std::string bucket_name(size_t index) const;
+
+  // The statistics attached for this step (undefined otherwise; cleared by end_step).
+  at::Tensor stats_;
 
   std::vector<std::shared_ptr<GradBuffer>> buffers_;
   std::vector<BucketInfo> buckets_;
@@ -125,7 +170,22 @@ class AllReduceSum final : public Reduction {
             std::vector<at::Tensor>& grads, double weight, bool first) override;
   void zero(const BucketInfo& bucket, int64_t begin, int64_t numel) override;
   void start(size_t index, Comm& comm) override;
+  void wait_all(Comm& comm) override;
+  std::vector<c10::intrusive_ptr<c10d::Work>> take_in_flight() override;
   int64_t bytes_per_step(const Comm& comm) const override;
+  bool carries_stats(const Comm& comm, int64_t numel) const override;
+  at::Tensor wait_stats(Comm& comm) override;
+
+  // Note [Statistics ride with bucket 0]: the largest bucket 0 that carries them.
+  static constexpr int64_t kCarryBytes = 256 * 1024;
+
+ private:
+  // Waits for bucket 0's collective with the statistics and copies bucket 0 back.
+  void land_carrier(Comm& comm);
+
+  at::Tensor carrier_;  // bucket 0, then the statistics' pieces
+  at::Tensor stats_sum_;  // the statistics summed, once landed
+  bool carrying_ = false;  // bucket 0's collective in flight carries the statistics
 };
 
 class OrderedSum final : public Reduction {
@@ -158,6 +218,12 @@ class OrderedSum final : public Reduction {
   void wait_all(Comm& comm) override;
   std::vector<c10::intrusive_ptr<c10d::Work>> take_in_flight() override;
   int64_t bytes_per_step(const Comm& comm) const override;
+  bool carries_stats(const Comm& comm, int64_t numel) const override;
+  at::Tensor wait_stats(Comm& comm) override;
+
+  // Note [Gathered buckets]: the most bytes a worker receives for a bucket exchanged
+  // by one all-gather.
+  static constexpr int64_t kGatherBytes = 256 * 1024;
 
  private:
   struct Exchange {
@@ -166,7 +232,21 @@ class OrderedSum final : public Reduction {
     std::vector<c10::intrusive_ptr<c10d::Work>> transfers;
     at::Tensor received;
     std::vector<at::Tensor> shard_partials;
+    // Note [Gathered buckets]: this step's exchange is one all-gather of `block` (this
+    // worker's partial sums, then the statistics' pieces for bucket 0) into `blocks`.
+    bool gathered = false;
+    bool waited = false;  // its all-gather was waited for by wait_stats
+    int64_t stats_pieces = 0;  // statistics' pieces at the end of each block
+    at::Tensor block;
+    std::vector<at::Tensor> blocks;  // [rank]
   };
+
+  int64_t max_cover() const;
+  // Whether bucket `index` is exchanged by one all-gather under the current tree.
+  bool gathers(size_t index) const;
+  void start_gathered(size_t index, Comm& comm);
+  void wait_gathered(size_t index, Comm& comm);
+  void combine_gathered(size_t index, Comm& comm);
 
   at::Tensor level(int64_t buffer, int64_t index);
   at::Tensor level_slice(const BucketInfo& bucket, int64_t index);

@@ -37,7 +37,7 @@ def _encode(
 
 def test_sums_over_workers_decode_to_vn_order_totals_and_profiles() -> None:
     layout = StatsLayout(V, W)
-    assert layout.numel == 6 * V + 2 + 8 * W
+    assert layout.numel == 6 * V + 10 * W
     a = _encode(layout, [0, 1, 2], "sum", 0, True, signal=0, lead=3)
     b = _encode(layout, [3, 4], "sum", 1, True, signal=5, lead=0)
     stats = layout.decode(a + b)

@@ -299,15 +299,18 @@ def main(argv: list[str]) -> int:
     events = [e.__dict__ for e in job.events]
     log.write(json.dumps({"events": events, "step": None if ex is None else ex.step_count}) + "\n")
     if ex is not None and args.out and ex.rank == 0 and ex.step_count == args.steps:
-        torch.save(
-            {
-                "model": ex.model.state_dict(),
-                "optimizer": ex.optimizer.state_dict(),
-                "step": ex.step_count,
-            },
-            args.out,
-        )
+        save_final(ex, args.out)
     return 0
+
+
+def save_final(ex: vflow.Executor, path: str) -> None:
+    """The state a test compares bit for bit: model, optimizer and step count."""
+    state = {
+        "model": ex.model.state_dict(),
+        "optimizer": ex.optimizer.state_dict(),
+        "step": ex.step_count,
+    }
+    torch.save(state, path)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from vflow.planning.auto_plan import AutoPlan, PlanChange
 from vflow.planning.profile import StepProfile, VNProfile, WorkerProfile
 from vflow.runtime import losses, training_state
 from vflow.runtime.config import ExecutorConfig
-from vflow.runtime.grad_store import GradStore, trainable_params
+from vflow.runtime.grad_store import GradStore, refuse_compiled_autograd, trainable_params
 from vflow.runtime.module_buffers import BufferRule
 from vflow.runtime.reduction import Reduction, for_kind
 from vflow.runtime.registered_state import RegisteredState, registered_from
@@ -494,6 +494,7 @@ class PipelineExecutor:
         step count stay as they were.
         """
         self._check_open()
+        refuse_compiled_autograd("vflow.PipelineExecutor.step")
         grid = self._grid
         batch_size = self._batch_size(inputs, targets, global_batch_size)
         slices = self._plan.worker_slices(grid.replica, batch_size)

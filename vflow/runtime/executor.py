@@ -30,10 +30,12 @@ import dataclasses
 import datetime
 import functools
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from vflow.data.prefetch import Prefetcher, VNTransform
 from vflow.data.vn_batches import VNBatchSource
@@ -47,7 +49,7 @@ from vflow.runtime import inference, training_state
 from vflow.runtime.amp import LossScaler
 from vflow.runtime.clock import StepClock
 from vflow.runtime.config import Deterministic, ExecutorConfig
-from vflow.runtime.grad_store import GradStore, trainable_params
+from vflow.runtime.grad_store import GradStore, refuse_compiled_autograd, trainable_params
 from vflow.runtime.inference import ForwardFn
 from vflow.runtime.module_buffers import BufferRule
 from vflow.runtime.reduction import for_kind
@@ -247,6 +249,7 @@ class Executor:
         self.skipped_steps = 0
         self._registered = registered
         self._signal: int | Callable[[], int] = 0
+        self._pre_step_hooks: OrderedDict[int, Callable[[Executor], None]] = OrderedDict()
         # Note [Plan changes wait for the data]: changes not yet in force, by first
         # step, and the plan and rank each drawn step's batch was split under.
         self._pending: list[_PendingPlan] = []
@@ -595,6 +598,7 @@ class Executor:
         raised by ``optimizer.step()`` itself propagates with the module buffers restored.
         """
         self._check_open()
+        refuse_compiled_autograd("vflow.Executor.step")
         if global_batch_size is not None:
             self._check_drawn_plan()
         slices, total = self._plan.local_slices(self.rank, batch, global_batch_size)
@@ -618,6 +622,8 @@ class Executor:
             self.skip_nonfinite,
             self.deterministic,
             self.max_grad_norm,
+            self._call_pre_step_hooks if self._pre_step_hooks else None,
+            self._params,
         )
         run = StepRun(inputs, slices, total, clock)
         if buffers is not None:
@@ -638,6 +644,7 @@ class Executor:
                 )
             else:
                 self._grads.publish()
+                run.before_optimizer()
                 with profiled("vflow::optimizer", run.profiling):
                     self.optimizer.step()
         except BaseException:
@@ -665,6 +672,41 @@ class Executor:
         if self._auto is not None and run.gathered_profile is not None and not self._pending:
             self._follow_auto_plan(run.gathered_profile, total, max(run.leads))
         return result
+
+    def register_pre_step_hook(self, fn: Callable[[Executor], None]) -> RemovableHandle:
+        """Calls ``fn(executor)`` in every step that steps the optimizer, right before
+        ``optimizer.step()``, with ``param.grad`` holding the reduced gradient the
+        optimizer will use: the whole global batch's, normalised, unscaled under loss
+        scaling, the same on every worker. ``fn`` may change ``param.grad`` in place
+        (per-layer clipping, noise, logging norms); it must not replace it. Note
+        [Before the optimizer step] (vflow/runtime/step_run.py) says where it runs: after
+        the non-finite check (a skipped step calls no hook) and before ``max_grad_norm``
+        clipping. Hooks run in registration order; returns a handle whose ``remove()``
+        unregisters ``fn``. Register the same hooks on every worker: a hook that acts
+        alike on equal gradients keeps the workers' parameters equal (bitwise, in
+        deterministic mode, under every plan). An exception in ``fn`` fails the step as
+        one in ``loss_fn`` would, before anything changed. Not callable: TypeError."""
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        self._check_open()
+        handle = RemovableHandle(self._pre_step_hooks)
+        self._pre_step_hooks[handle.id] = fn
+        return handle
+
+    def _call_pre_step_hooks(self) -> None:
+        grads = [p.grad for p in self._params]
+        for fn in list(self._pre_step_hooks.values()):
+            fn(self)
+        replaced = [
+            index for index, (p, g) in enumerate(zip(self._params, grads)) if p.grad is not g
+        ]
+        if replaced:
+            raise RuntimeError(
+                f"a pre-step hook replaced param.grad of {len(replaced)} trainable "
+                f"parameter(s) (the first of shape {tuple(self._params[replaced[0]].shape)}); "
+                "change param.grad in place (param.grad.mul_(c), param.grad.copy_(g)) so "
+                "that clipping and the optimizer see the change"
+            )
 
     def _check_drawn_plan(self) -> None:
         """Raises, changing nothing, when this step's local batch was drawn under

@@ -12,6 +12,7 @@ set (``set_world``) touches only the last two.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Iterator, Sequence
 
@@ -28,8 +29,54 @@ _OWNERS: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[GradStore]] = (
 )
 
 
+# Note [Compiled autograd]
+# Compiled autograd (torch._dynamo.compiled_autograd) replaces the engine's run of a
+# backward by a graph it traces, and every hook must describe itself to the tracer.
+# vflow's CaptureHook (csrc/grad_store.cpp, a C++ post hook on AccumulateGrad nodes)
+# does not: the backward would fail inside autograd with "compiled_args nyi". So a step
+# refuses first, before anything changes. A torch.compile'd model needs no compiled
+# autograd: the ordinary engine runs its compiled backward graph, and the AccumulateGrad
+# nodes carrying vflow's hooks stay outside it. torch._dynamo.config.compiled_autograd
+# = True alone changes nothing here: it applies to backward calls made inside a
+# compiled function, and vflow calls backward itself, outside any
+# (tests/runtime/test_compile.py).
+
+
+def refuse_compiled_autograd(where: str) -> None:
+    """Raises when torch's compiled autograd is on (Note [Compiled autograd])."""
+    # torch switches compiled autograd on and off through this module, which keeps
+    # compiled_autograd_enabled in step with the engine: a process that never imported
+    # it has it off, and the check costs a dict lookup.
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    if module is not None and getattr(module, "compiled_autograd_enabled", False):
+        raise RuntimeError(
+            f"{where}: torch's compiled autograd is enabled, and vflow does not support "
+            "it: vflow captures each VN's gradients with autograd hooks written in C++, "
+            "which compiled autograd cannot trace. Run the step with compiled autograd "
+            "off (outside torch._dynamo.compiled_autograd._enable(...)); a model compiled "
+            'with torch.compile still runs its compiled backward (docs/guide.md, "torch.compile")'
+        )
+
+
 def accumulation_dtype(param_dtype: torch.dtype, requested: torch.dtype) -> torch.dtype:
     return torch.float64 if param_dtype == torch.float64 else requested
+
+
+def clip_grads_(grads: Sequence[torch.Tensor], max_norm: float) -> float:
+    """Scales ``grads`` in place so that their joint 2-norm is at most ``max_norm``
+    (torch.nn.utils.clip_grad_norm_'s coefficient); returns the norm before clipping.
+    Each tensor's norm is taken in at least float32, so bfloat16 gradients lose no range."""
+    device = grads[0].device
+    norms = [
+        torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)).to(device)
+        for g in grads
+    ]
+    norm = float(torch.linalg.vector_norm(torch.stack([n.double() for n in norms])))
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
 
 
 def assign_buckets(
@@ -175,8 +222,15 @@ class GradStore:
         """Runs ``loss.backward()`` and adds ``weight`` x its gradients to the buffers.
         With ``last`` (this worker's last VN of the step) the buckets' reductions start
         while backward runs."""
-        with self.capture(weight, last, placement):
+        # capture's body, inlined: this runs once per VN.
+        reducer = self.reducer
+        reducer.begin_vn(weight, last, placement.level, placement.merges)
+        try:
             loss.backward()
+        except BaseException as e:
+            self._abort_vn(e)
+            raise
+        reducer.end_vn()
 
     @contextlib.contextmanager
     def capture(self, weight: float, last: bool, placement: VNPlacement) -> Iterator[None]:
@@ -188,14 +242,19 @@ class GradStore:
         try:
             yield
         except BaseException as e:
-            self.reducer.abort_vn()
-            failure = self.reducer.comm_failure
-            if failure and not isinstance(e, CollectiveError):
-                # A collective started in a hook failed; autograd re-raised it as a
-                # RuntimeError. Callers that recover from a lost worker need its type.
-                raise CollectiveError(failure) from e
+            self._abort_vn(e)
             raise
         self.reducer.end_vn()
+
+    def _abort_vn(self, error: BaseException) -> None:
+        """After ``error`` inside a VN's capture: the VN's gradients are dropped; a failed
+        collective is raised as CollectiveError."""
+        self.reducer.abort_vn()
+        failure = self.reducer.comm_failure
+        if failure and not isinstance(error, CollectiveError):
+            # A collective started in a hook failed; autograd re-raised it as a
+            # RuntimeError. Callers that recover from a lost worker need its type.
+            raise CollectiveError(failure) from error
 
     def finish(self, factor: float, check_nonfinite: bool) -> bool:
         """Waits for the reductions and scales every buffer by ``factor`` in one pass;

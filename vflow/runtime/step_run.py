@@ -24,6 +24,7 @@ from vflow.mapping.plan import VNSlice
 from vflow.planning.profile import StepProfile, VNProfile, WorkerProfile
 from vflow.runtime import losses
 from vflow.runtime.clock import StepClock
+from vflow.runtime.grad_store import clip_grads_
 from vflow.runtime.results import PhaseTimings, StepResult
 from vflow.runtime.step_stats import local_totals
 
@@ -67,10 +68,35 @@ class StepInputs:
     skip_nonfinite: bool
     deterministic: Deterministic
     max_grad_norm: float | None
+    # Calls the user's pre-step hooks; None when none is registered.
+    pre_step_hooks: Callable[[], None] | None
+    params: list[torch.nn.Parameter]  # trainable, whose ``param.grad`` hooks may change
+
+
+# Note [Before the optimizer step]
+# What runs between the reduction and ``optimizer.step()``, in this order:
+# 1. ``reduce``: the global normalisation (and loss-scale unscaling) in one pass over
+#    the buffers, with the non-finite check. A step whose gradient is inf/NaN stops
+#    here: skipped (or FloatingPointError in deterministic mode without
+#    skip_nonfinite); there is no optimizer step, so no hook runs either, and every
+#    worker decides alike from the same reduced gradient.
+# 2. The user's pre-step hooks (``Executor.register_pre_step_hook``), on ``param.grad``
+#    as the optimizer will take it. They come after the check so that they only ever see
+#    finite gradients, as ``optimizer.step()`` does.
+# 3. ``max_grad_norm`` clipping, last: it bounds the gradient the optimizer takes
+#    whatever a hook did (as a loop calls clip_grad_norm_ right before the step), and
+#    ``StepResult.grad_norm`` is the norm of the gradient after the hooks.
+# A hook that makes a gradient inf/NaN is not caught: the check ran before it.
+# Without hooks, clipping runs on the buffers before ``publish`` (the bits of every
+# step without hooks are those of before hooks existed). With hooks it runs on the
+# published ``param.grad``: where the buffer accumulates in another dtype than the
+# parameter (a float32 buffer for bfloat16 parameters), ``param.grad`` is a copy that
+# the hooks changed and the buffer is not.
 
 
 class StepRun:
-    """The VN loop (``vns``), then ``reduce``; ``result`` once the step is committed."""
+    """The VN loop (``vns``), then ``reduce`` and ``before_optimizer``; ``result`` once
+    the step is committed."""
 
     def __init__(
         self, inputs: StepInputs, slices: list[VNSlice], total: int, clock: StepClock
@@ -151,7 +177,8 @@ class StepRun:
                             signal,
                             inputs.lead,
                             inputs.world.device,
-                        )
+                        ),
+                        with_buckets=True,  # every value in a slot of its own (step_stats)
                     )
                 loss = parsed.loss if self.scale == 1.0 else parsed.loss.float() * self.scale
                 backward_start = clock.mark()
@@ -179,7 +206,10 @@ class StepRun:
                 self.losses, self.weights, self.items if self.kind == "sum" else None
             )
             sum_workers = 1.0 if self.kind == "sum" else 0.0
-        self.stats_wait = time.perf_counter() - waited
+        # Statistics that rode with bucket 0 were waited for with it: the reducer
+        # counts that wait as the buckets' (Note [Statistics ride with bucket 0]).
+        if not (inputs.world.distributed and grads.reducer.stats_with_buckets):
+            self.stats_wait = time.perf_counter() - waited
         losses.check_worker_kinds(sum_workers, inputs.world.size)
         if bad_items:
             losses.raise_bad_items([s.vn for s in self.slices], self.items, bad_items)
@@ -200,9 +230,21 @@ class StepRun:
                 "to the optimizer); nothing was changed. Pass skip_nonfinite=True to skip "
                 "such steps instead"
             )
-        if inputs.max_grad_norm is not None and not found:
+        if inputs.max_grad_norm is not None and not found and inputs.pre_step_hooks is None:
             self.grad_norm = grads.clip_grad_norm_(inputs.max_grad_norm)
         self.skipped = found
+        self.after_reduce = self.clock.mark()
+
+    def before_optimizer(self) -> None:
+        """Note [Before the optimizer step]: on a step that steps the optimizer, with
+        ``param.grad`` published, the user's pre-step hooks, then ``max_grad_norm``
+        clipping of ``param.grad``; both count as the reduce phase."""
+        inputs = self.inputs
+        if inputs.pre_step_hooks is None:
+            return
+        inputs.pre_step_hooks()
+        if inputs.max_grad_norm is not None:
+            self.grad_norm = clip_grads_([p.grad for p in inputs.params], inputs.max_grad_norm)
         self.after_reduce = self.clock.mark()
 
     def result(self, start: int, end: int, loss_scale: float | None) -> StepResult:

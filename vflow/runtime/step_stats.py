@@ -1,30 +1,34 @@
 """The step's statistics: one small float64 tensor per worker, summed over the workers
-ahead of the gradient buckets (csrc/reducer.h, ``start_stats``). This module is the one
+with the gradient buckets (csrc/reducer.h, ``start_stats``). This module is the one
 owner of its layout: the Executor hands it values and gets totals back.
 
 Layout, for V virtual nodes and W workers::
 
     [0, V)          weighted loss of each VN (n_i / B * loss_i, or loss_sum_i)
     [V, 2V)         num_items of each VN (summed losses)
-    2V              1 if this worker's losses are summed
-    2V + 1          VNs of this worker with an invalid num_items
-    [2V+2, 6V+2)    the previous step's profile, per VN: owner rank + 1, size,
+    [2V, 2V+W)      each worker's 1 if its losses are summed
+    [2V+W, 2V+2W)   each worker's VNs with an invalid num_items
+    [2V+2W, 6V+2W)  the previous step's profile, per VN: owner rank + 1, size,
                     forward seconds, backward seconds (Note [Profiles], vflow.planning.profile)
-    [6V+2, 6V+2+6W) the previous step's profile, per worker: present, step, compute,
+    [6V+2W, 6V+8W)  the previous step's profile, per worker: present, step, compute,
                     exposed communication, optimizer and step seconds
-    [6V+2+6W, 6V+2+7W) each worker's signal word (``Executor.signal``)
-    [6V+2+7W, 6V+2+8W) each worker's data lead: the steps beyond this one whose
+    [6V+8W, 6V+9W)  each worker's signal word (``Executor.signal``)
+    [6V+9W, 6V+10W) each worker's data lead: the steps beyond this one whose
                     batches its bound sampler has drawn (Note [Plan changes wait for
                     the data], vflow/runtime/executor.py)
 
 Every value sits in a slot of its own — a VN's, or a worker's — and is zero on every
 other worker, so the sum over workers only ever adds zeros to a value: exact in any
-order. Totals are then added in VN order, which keeps the reported loss independent
-of the plan (and bitwise so in deterministic mode).
+order. That is also what lets the tensor ride inside the first gradient bucket's
+collective (Note [Statistics ride with bucket 0], csrc/reduction/reduction.h), as
+pieces of its bits that the sum leaves alone. Totals are then added in VN order (the
+workers' counts in rank order), which keeps the reported loss independent of the plan
+(and bitwise so in deterministic mode).
 """
 
 from __future__ import annotations
 
+import array
 import math
 from dataclasses import dataclass
 
@@ -54,7 +58,9 @@ class StatsLayout:
     def __init__(self, virtual_nodes: int, world_size: int) -> None:
         self.virtual_nodes = virtual_nodes
         self.world_size = world_size
-        self._profile_vns = 2 * virtual_nodes + 2
+        self._summed = 2 * virtual_nodes
+        self._bad = self._summed + world_size
+        self._profile_vns = self._bad + world_size
         self._profile_workers = self._profile_vns + _VN_ROWS * virtual_nodes
         self._signals = self._profile_workers + _WORKER_FIELDS * world_size
         self._leads = self._signals + world_size
@@ -73,17 +79,35 @@ class StatsLayout:
         lead: int,
         device: torch.device,
     ) -> torch.Tensor:
-        """This worker's statistics on ``device``. Losses and items stay on their
-        device until the one copy at the end: no host synchronisation before the last
-        backward."""
+        """This worker's statistics on ``device``. Losses and items on an accelerator
+        stay there until the one copy at the end: no host synchronisation before the
+        last backward. On the CPU, where reading a value costs no synchronisation, they
+        are read and the tensor is built on the host in one piece (a fifth of the
+        tensor operations' time, which every step pays); the products are the same
+        float64 ones either way (``local_totals``)."""
         v = self.virtual_nodes
         loss_device = losses[0].device
         host = [0.0] * self.numel
-        host[2 * v] = 1.0 if kind == "sum" else 0.0
+        host[self._summed + rank] = 1.0 if kind == "sum" else 0.0
         if previous is not None:
             self._put_profile(host, previous)
         host[self._signals + rank] = float(signal)
         host[self._leads + rank] = float(lead)
+        if loss_device.type == "cpu" and not any(
+            isinstance(n, torch.Tensor) and n.device.type != "cpu" for n in items
+        ):
+            for vn, loss, weight in zip(vns, losses, weights, strict=True):
+                host[vn] = loss.item() * weight
+            if kind == "sum":
+                bad = 0.0
+                for vn, n in zip(vns, items, strict=True):
+                    number = float(n)
+                    host[v + vn] = number
+                    if not number >= 0 or number == math.inf:
+                        bad += 1.0
+                host[self._bad + rank] = bad
+            # No copy: start_stats copies what it sends.
+            return torch.frombuffer(array.array("d", host), dtype=torch.float64).to(device)
         stats = torch.tensor(host, dtype=torch.float64, device=loss_device)
         index = torch.tensor(vns, device=loss_device)
         stats[index] = _stack_double(losses) * torch.tensor(
@@ -96,7 +120,7 @@ class StatsLayout:
             stats[v + index] = counts
             # Counted on the device, so that bad counts are seen by every worker
             # without a host synchronisation before the last backward.
-            stats[2 * v + 1] = ((counts < 0) | ~torch.isfinite(counts)).sum().double()
+            stats[self._bad + rank] = ((counts < 0) | ~torch.isfinite(counts)).sum().double()
         return stats.to(device)
 
     def _put_profile(self, host: list[float], profile: WorkerProfile) -> None:
@@ -126,40 +150,43 @@ class StatsLayout:
         for vn in range(v):
             loss_total += values[vn]
             items_total += values[v + vn]
-        signals = tuple(int(x) for x in values[self._signals : self._signals + self.world_size])
-        leads = tuple(int(x) for x in values[self._leads : self._leads + self.world_size])
+        w = self.world_size
+        signals = tuple(int(x) for x in values[self._signals : self._signals + w])
+        leads = tuple(int(x) for x in values[self._leads : self._leads + w])
         return GlobalStats(
             loss_total,
             items_total,
-            values[2 * v],
-            values[2 * v + 1],
+            sum(values[self._summed : self._summed + w]),
+            sum(values[self._bad : self._bad + w]),
             self._profile(values),
             signals,
             leads,
         )
 
     def _profile(self, values: list[float]) -> StepProfile | None:
-        v = self.virtual_nodes
+        v, w = self.virtual_nodes, self.world_size
+        first = self._profile_workers
+        rows = [
+            values[first + _WORKER_FIELDS * r : first + _WORKER_FIELDS * (r + 1)] for r in range(w)
+        ]
+        if any(row[0] != 1.0 for row in rows):
+            return None  # a worker new to the set has no previous step
         base = self._profile_vns
-        owners = [int(values[base + vn]) - 1 for vn in range(v)]
-        workers = []
-        for rank in range(self.world_size):
-            at = self._profile_workers + _WORKER_FIELDS * rank
-            present, step, compute, exposed, optimizer, total = values[at : at + _WORKER_FIELDS]
-            if present != 1.0:
-                return None  # a worker new to the set has no previous step
-            vns = tuple(
-                VNProfile(
-                    vn,
-                    int(values[base + v + vn]),
-                    values[base + 2 * v + vn],
-                    values[base + 3 * v + vn],
-                )
-                for vn in range(v)
-                if owners[vn] == rank
-            )
-            workers.append(WorkerProfile(rank, int(step), vns, compute, exposed, optimizer, total))
-        return StepProfile(max(w.step for w in workers), tuple(workers))
+        owners = values[base : base + v]
+        sizes = values[base + v : base + 2 * v]
+        forward = values[base + 2 * v : base + 3 * v]
+        backward = values[base + 3 * v : base + 4 * v]
+        # One pass over the VNs, each to its owner, in VN order.
+        vns: list[list[VNProfile]] = [[] for _ in range(w)]
+        for vn in range(v):
+            owner = int(owners[vn]) - 1
+            if 0 <= owner < w:
+                vns[owner].append(VNProfile(vn, int(sizes[vn]), forward[vn], backward[vn]))
+        workers = tuple(
+            WorkerProfile(rank, int(row[1]), tuple(vns[rank]), row[2], row[3], row[4], row[5])
+            for rank, row in enumerate(rows)
+        )
+        return StepProfile(max(worker.step for worker in workers), workers)
 
 
 def local_totals(
