@@ -68,15 +68,24 @@ def clip_grads_(grads: Sequence[torch.Tensor], max_norm: float) -> float:
     Each tensor's norm is taken in at least float32, so bfloat16 gradients lose no range."""
     device = grads[0].device
     norms = [
-        torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)).to(device)
+        torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32))
+        .to(device)
+        .double()
         for g in grads
     ]
-    norm = float(torch.linalg.vector_norm(torch.stack([n.double() for n in norms])))
-    coef = max_norm / (norm + 1e-6)
+    norm, coef = _clip_coefficient(norms, max_norm)
     if coef < 1.0:
         for g in grads:
             g.mul_(coef)
     return norm
+
+
+def _clip_coefficient(norms: list[torch.Tensor], max_norm: float) -> tuple[float, float]:
+    """The joint 2-norm of tensors whose own norms are ``norms``, and the factor that
+    brings it to at most ``max_norm`` (torch.nn.utils.clip_grad_norm_'s: above 1 means
+    no clipping)."""
+    norm = float(torch.linalg.vector_norm(torch.stack(norms)))
+    return norm, max_norm / (norm + 1e-6)
 
 
 def assign_buckets(
@@ -278,8 +287,7 @@ class GradStore:
         before clipping."""
         device = self.buffers[0].data.device
         norms = [torch.linalg.vector_norm(b.data).to(device) for b in self.buffers]
-        norm = float(torch.linalg.vector_norm(torch.stack(norms)))
-        coef = max_norm / (norm + 1e-6)
+        norm, coef = _clip_coefficient(norms, max_norm)
         if coef < 1.0:
             for buffer in self.buffers:
                 buffer.scale_(coef)
