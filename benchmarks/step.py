@@ -48,6 +48,7 @@ import vflow
 import vflow.bench.records as bench_records
 from vflow.mapping.batching import slice_batch, split_sizes
 from vflow.runtime.clock import StepClock
+from vflow.runtime.step_stats import StatsLayout
 from vflow.world import launch
 
 TARGET_RATIO = 1.05  # vflow step time / hand loop step time, printed (not asserted)
@@ -396,6 +397,28 @@ def _collectives_per_step(step: Callable[[Batch], Any], batches: list[Batch]) ->
     return count / len(batches)
 
 
+def _collective_latency(numel: int, repeats: int) -> dict[str, float]:
+    """Median seconds of a synchronous all-reduce and of an all-gather of ``numel``
+    floats, each after a barrier: what Note [Small buckets by all-gather]
+    (csrc/reduction/all_reduce.cpp) weighs for a small bucket."""
+    tensor = torch.zeros(numel)
+    gathered = [torch.empty(numel) for _ in range(dist.get_world_size())]
+    ops: dict[str, Callable[[], Any]] = {
+        "all_reduce": lambda: dist.all_reduce(tensor),
+        "all_gather": lambda: dist.all_gather(gathered, tensor),
+    }
+    out = {}
+    for name, op in ops.items():
+        seconds = []
+        for _ in range(repeats):
+            dist.barrier()
+            began = time.perf_counter()
+            op()
+            seconds.append(time.perf_counter() - began)
+        out[name] = median(seconds)
+    return out
+
+
 def _ranks_main(rank: int, world_size: int, warmup: int, rounds: int) -> dict[str, Any]:
     torch.manual_seed(0)
     initial = small_mlp()
@@ -469,6 +492,9 @@ def _ranks_main(rank: int, world_size: int, warmup: int, rounds: int) -> dict[st
         collectives = {
             name: _collectives_per_step(methods[name], batches[:8]) for name in RANKS_METHODS
         }
+        # The size of vflow's bucket 0 with the statistics' pieces behind it.
+        stats_pieces = 4 * StatsLayout(RANKS_V, world_size).numel
+        latency = _collective_latency(hand.flat.numel() - 1 + stats_pieces, max(50, rounds // 2))
     finally:
         for ex in executors.values():
             ex.close()
@@ -477,6 +503,8 @@ def _ranks_main(rank: int, world_size: int, warmup: int, rounds: int) -> dict[st
         "losses": losses,
         "phases": phase_medians,
         "collectives": collectives,
+        "latency": latency,
+        "latency_numel": hand.flat.numel() - 1 + stats_pieces,
     }
 
 
@@ -525,6 +553,8 @@ def bench_ranks(warmup: int, rounds: int) -> dict[str, Any]:
             for name, p in v0["phases"].items()
         },
         "collectives_per_step": v0["collectives"],
+        "collective_latency_s": v0["latency"],
+        "collective_latency_numel": v0["latency_numel"],
         "max_loss_rel_diff": loss_diff,
         "times_s": times,
     }
@@ -576,6 +606,12 @@ def print_ranks(r: dict[str, Any]) -> None:
         )
     )
     print(f"loss diff vflow vs hand (relative, max): {r['max_loss_rel_diff']:.1e}")
+    lat = r["collective_latency_s"]
+    print(
+        f"one collective of {r['collective_latency_numel']} floats, synchronous, rank 0's "
+        f"median: all_reduce {fmt_ms(lat['all_reduce'])} ms, all_gather "
+        f"{fmt_ms(lat['all_gather'])} ms (Note [Small buckets by all-gather])"
+    )
 
 
 def ranks_headlines(r: dict[str, Any]) -> list[dict[str, Any]]:

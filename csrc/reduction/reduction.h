@@ -7,7 +7,8 @@
 // Note [Reduction strategies]
 // Three kinds exist, chosen per Executor (Python's `deterministic` argument):
 //   * AllReduceSum  — float accumulation in the GradBuffer, one all-reduce (SUM) per
-//                     bucket (the default; what DDP does);
+//                     bucket (the default; what DDP does), a small CPU bucket by one
+//                     all-gather (Note [Small buckets by all-gather], all_reduce.cpp);
 //   * OrderedSum    — float sums in one fixed tree over the VN indices, exchanged point
 //                     to point (Note [Ordered sum], ordered.cpp);
 //   * ExactSum      — exact integer accumulation, a MAX and a SUM all-reduce per bucket
@@ -27,7 +28,8 @@
 // themselves would not keep -0.0 or a NaN's payload). Which strategies carry them:
 //   * AllReduceSum: bucket 0 and the pieces are copied into one private tensor that is
 //     all-reduced, and the bucket copied back when it is waited for, when bucket 0 is
-//     at most kCarryBytes (the two copies then cost less than a collective);
+//     at most kCarryBytes (the two copies then cost less than a collective); when
+//     bucket 0 goes by all-gather, the pieces are appended to this worker's block;
 //   * OrderedSum: when its bucket 0 is exchanged by one all-gather (Note [Gathered
 //     buckets], ordered.cpp), the pieces are appended to this worker's block;
 //   * ExactSum: not carried (its buckets need two collectives anyway).
@@ -178,11 +180,28 @@ class AllReduceSum final : public Reduction {
 
   // Note [Statistics ride with bucket 0]: the largest bucket 0 that carries them.
   static constexpr int64_t kCarryBytes = 256 * 1024;
+  // Note [Small buckets by all-gather]: the most a worker receives for one bucket.
+  static constexpr int64_t kGatherBytes = 256 * 1024;
 
  private:
+  // One bucket's all-gather (Note [Small buckets by all-gather]).
+  struct Gather {
+    at::Tensor block;  // this worker's bucket, then (bucket 0) the statistics' pieces
+    std::vector<at::Tensor> blocks;  // every worker's block, by rank
+    int64_t pieces = 0;  // statistics' pieces at the end of each block
+    bool in_flight = false;  // started and not yet added up
+  };
+
+  // Whether bucket `index`, with `pieces` statistics' pieces, goes by an all-gather.
+  bool gathers(size_t index, const Comm& comm, int64_t pieces) const;
+  void start_gathered(size_t index, Comm& comm);
+  // Waits for bucket `index`'s all-gather and writes the sum of the blocks into the
+  // bucket (and, for bucket 0, the statistics' sum into stats_sum_).
+  void land_gathered(size_t index, Comm& comm);
   // Waits for bucket 0's collective with the statistics and copies bucket 0 back.
   void land_carrier(Comm& comm);
 
+  std::vector<Gather> gathers_;  // [bucket]
   at::Tensor carrier_;  // bucket 0, then the statistics' pieces
   at::Tensor stats_sum_;  // the statistics summed, once landed
   bool carrying_ = false;  // bucket 0's collective in flight carries the statistics

@@ -124,6 +124,8 @@ def _distributed_trace(rank: int, world_size: int) -> list[str]:
 
 
 def test_profiler_trace_shows_the_reducers_collectives() -> None:
+    # The model's one small bucket goes by all-gather, added up by vflow::combine (Note
+    # [Small buckets by all-gather], csrc/reduction/all_reduce.cpp).
     for names in (r.value for r in run_ranks(2, _distributed_trace)):
-        for expected in ("vflow::all_reduce", "vflow::wait", "vflow::finalize"):
+        for expected in ("vflow::all_gather", "vflow::combine", "vflow::wait", "vflow::finalize"):
             assert expected in names, (expected, names)

@@ -1,12 +1,15 @@
 """Fewer collectives per step (issue 34): the step's statistics ride with bucket 0
-(Note [Statistics ride with bucket 0], csrc/reduction/reduction.h) and the ordered
+(Note [Statistics ride with bucket 0], csrc/reduction/reduction.h), the ordered
 reduction exchanges small buckets with one all-gather (Note [Gathered buckets],
-csrc/reduction/ordered.cpp).
+csrc/reduction/ordered.cpp), and so does the default one on the CPU (Note [Small
+buckets by all-gather], csrc/reduction/all_reduce.cpp).
 
 On 2 and 3 Gloo ranks, a Reducer whose bucket 0 is small and whose bucket 1 is large
-(sharded exchange in ordered mode) reduces VN gradients with weights that make float
-sums order-sensitive; every bucket must hold the bits of the tree sum (ordered) or the
-sum (all-reduce), and the statistics must come back bit for bit, -0.0 and a NaN
+(sharded exchange in ordered mode, an all-reduce in the default kind) reduces VN
+gradients with weights that make float sums order-sensitive; every bucket must hold
+the bits of the tree sum (ordered), or of the workers' partial sums added in rank
+order (the default kind's gathered bucket 0), or the same sum on every worker (its
+all-reduced bucket 1), and the statistics must come back bit for bit, -0.0 and a NaN
 payload included, whichever way they travelled.
 """
 
@@ -47,11 +50,17 @@ def _stats(rank: int, world_size: int) -> torch.Tensor:
 def _reduce(rank: int, world_size: int, kind: str, counts: list[int]) -> dict:
     import torch.distributed as dist
 
+    out = _run(rank, world_size, kind, counts, dist.group.WORLD)
+    if kind == "all-reduce":
+        # This worker's partial sums: the same folds with no one to reduce with.
+        out["partial"] = _run(rank, world_size, kind, counts, None)["grads"]
+    return out
+
+
+def _run(rank: int, world_size: int, kind: str, counts: list[int], group: object) -> dict:
     # Slot 0, the small parameter, fills bucket 0 (first_bucket_bytes); slot 1 bucket 1.
     small, large = torch.nn.Parameter(torch.zeros(SMALL)), torch.nn.Parameter(torch.zeros(LARGE))
-    reducer = make_reducer(
-        [[small, large]], [torch.float32], SMALL * 4, 1 << 22, dist.group.WORLD, kind=kind
-    )
+    reducer = make_reducer([[small, large]], [torch.float32], SMALL * 4, 1 << 22, group, kind=kind)
     assert reducer.num_buckets == 2
     plan = Plan(counts=counts)
     vns = list(plan.vns(rank))
@@ -71,13 +80,14 @@ def _reduce(rank: int, world_size: int, kind: str, counts: list[int]) -> dict:
             last = position == len(vns) - 1
             level, merges = placements[position]
             reducer.begin_vn(weights[vn], last, level, merges)
-            if last:
+            if last and group is not None:
                 reducer.start_stats(_stats(rank, world_size), with_buckets=True)
             for slot, grad in enumerate(leaves[vn]):
                 reducer.add_grad(reducer.bucket_of(0, slot), slot, grad)
             reducer.end_vn()
-        out[f"carried {step}"] = reducer.stats_with_buckets
-        out[f"stats {step}"] = reducer.wait_stats()
+        if group is not None:
+            out[f"carried {step}"] = reducer.stats_with_buckets
+            out[f"stats {step}"] = reducer.wait_stats()
         reducer.finalize(1.0, [])
     out["grads"] = [v.clone() for v in reducer.buffers[0].views()]
     return out
@@ -131,3 +141,14 @@ def test_statistics_ride_with_bucket_0_and_sums_keep_their_bits(
         first = results[0].value["grads"]
         for r in results[1:]:
             assert all(torch.equal(a, b) for a, b in zip(r.value["grads"], first, strict=True))
+        # Bucket 0 went by all-gather: the partial sums added in rank order, bit for bit.
+        partials = [r.value["partial"][0] for r in sorted(results, key=lambda r: r.rank)]
+        want = partials[0] + partials[1]
+        for partial in partials[2:]:
+            want = want + partial
+        assert torch.equal(first[0], want)
+        # Bucket 1 (280 KB a worker, over the gather limit) went by all-reduce: the sum
+        # within float32 rounding of W - 1 additions in whatever order the ring took.
+        large = [r.value["partial"][1].double() for r in results]
+        error = (first[1].double() - sum(large)).abs()
+        assert bool((error <= 2.0**-22 * sum(p.abs() for p in large)).all())

@@ -1,14 +1,14 @@
-"""One worker of the elastic tests (tests/elastic/test_job.py): a small MLP on a fixed
-synthetic dataset, trained by ``vflow.elastic.ElasticJob``, with fault points to kill or
-stop itself at an exact place of a step.
+"""One worker of the elastic tests (tests/elastic/): a small MLP on a fixed synthetic
+dataset, trained by ``vflow.elastic.ElasticJob``, with fault points to kill or stop
+itself at an exact place of a step.
 
     python tests/support/elastic_worker.py --rdzv HOST:PORT --job ID --steps N --log FILE
         [--out FILE] [--deterministic] [--workers K] [--sleep SECONDS]
         [--fault POINT --fault-step S] [--leave-step S] [--sigterm-step S]
-        [--min-workers K] [--timeout S] [--last-call S] [--checkpoint FILE]
-        [--max-recoveries N]
+        [--min-workers K] [--timeout S] [--join-timeout S] [--last-call S]
+        [--checkpoint FILE] [--max-recoveries N]
         [--auto] [--slow FACTOR] [--seed S] [--virtual-nodes V] [--hidden H]
-        [--slow-build SECONDS] [--slow-load SECONDS]
+        [--slow-build SECONDS] [--slow-load SECONDS] [--compile]
 
 Until this worker has seen ``--workers`` workers in its worker set, it sleeps
 ``--sleep`` seconds per step, so that the others can join before the job ends; from
@@ -39,10 +39,17 @@ many times slower (vflow.planning.emulation.SlowDown). The data comes from a
 ``VNBatchSampler`` bound to the current executor (``bind(ex)``, then
 ``step_indices(step)``), so it follows every plan and worker set.
 
+``--compile`` trains the job of tests/elastic/test_compile.py instead: the dropout MLP
+of tests/support/compiled.py wrapped in ``torch.compile``, its ``mean_ce`` loss, and
+step s on the s-th of its ``batches(steps, 24)``, whatever the worker set. That
+model's width is fixed and that loss has no fault points: ``--compile`` refuses
+``--hidden`` and the fault points middle-backward, stats and allreduce.
+
 The log file gets one JSON line per committed step ({"t": time.time(), "step", "rank",
-"workers", "counts", "indices"}), one per step that raised CollectiveError ({"failed":
-time.time(), "step"}) and a last line {"events": [...], "step": ...}. The lowest-ranked
-worker writes ``--out`` at the end: {"model", "optimizer", "step"}.
+"workers", "counts", "indices", "loss"}; "indices" is null with ``--compile``), one
+per step that raised CollectiveError ({"failed": time.time(), "step"}) and a last line
+{"events": [...], "step": ...}. The lowest-ranked worker writes ``--out`` at the end:
+{"model", "optimizer", "step"}.
 """
 
 from __future__ import annotations
@@ -66,6 +73,8 @@ from vflow.world import membership
 
 V, B, SAMPLES, FEATURES, CLASSES = 6, 24, 24 * 8, 8, 3
 SEED, HIDDEN = 5, 32
+# Fault points inside make_loss's loss, which --compile does not use.
+LOSS_FAULTS = ("middle-backward", "stats", "allreduce")
 
 
 def dataset() -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +183,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--slow-load", type=float, default=0.0)
     parser.add_argument("--auto", action="store_true")
     parser.add_argument("--slow", type=float, default=1.0)
+    parser.add_argument("--compile", action="store_true")
     args = parser.parse_args(argv)
+    if args.compile and (args.fault in LOSS_FAULTS or args.hidden != HIDDEN):
+        parser.error(f"--compile takes no --hidden and no --fault in {', '.join(LOSS_FAULTS)}")
+    if args.compile:
+        # Here, not at the top: the tests' package is on the path only when PYTHONPATH
+        # holds the repository (as every test that passes --compile sets it).
+        from tests.support.compiled import batches, dropout_mlp, mean_ce
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("vflow").setLevel(logging.DEBUG)
     torch.set_num_threads(1)
@@ -184,10 +200,15 @@ def main(argv: list[str]) -> int:
 
     def make_executor(group: Any, timeout: float) -> vflow.Executor:
         time.sleep(args.slow_build)
-        model, optimizer = build(args.hidden)
-        loss_fn = make_loss(faults)
+        if args.compile:
+            model = dropout_mlp()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            module, loss_fn = torch.compile(model), mean_ce
+        else:
+            model, optimizer = build(args.hidden)
+            module, loss_fn = model, make_loss(faults)
         ex = vflow.Executor(
-            model,
+            module,
             optimizer,
             SlowDown(loss_fn, args.slow) if args.slow > 1 else loss_fn,
             args.virtual_nodes,
@@ -211,6 +232,7 @@ def main(argv: list[str]) -> int:
         return ex
 
     sampler = vflow.VNBatchSampler(SAMPLES, B, seed=SEED)  # bound to each step's executor
+    compiled_batches = batches(args.steps, B) if args.compile else []
     local_steps = {"n": 0}
 
     full = {"since": None}  # steps run before the worker set first had --workers
@@ -229,11 +251,15 @@ def main(argv: list[str]) -> int:
         if full["since"] is None:
             time.sleep(args.sleep)
         faults.hit("start")
-        sampler.bind(ex)  # a newcomer's executor is a new one
-        indices, size = sampler.step_indices(step)
+        if args.compile:
+            batch, indices, size = compiled_batches[step], None, None
+        else:
+            sampler.bind(ex)  # a newcomer's executor is a new one
+            indices, size = sampler.step_indices(step)
+            batch = (x[indices], y[indices])
         counts = list(ex.plan.counts)
         try:
-            result = ex.step((x[indices], y[indices]), global_batch_size=size)
+            result = ex.step(batch, global_batch_size=size)
         except vflow.CollectiveError:
             log.write(json.dumps({"failed": time.time(), "step": step}) + "\n")
             raise
@@ -244,6 +270,7 @@ def main(argv: list[str]) -> int:
             "workers": ex.world_size,
             "counts": counts,
             "indices": indices,
+            "loss": result.loss,
         }
         log.write(json.dumps(record) + "\n")
         return result

@@ -7,6 +7,7 @@ of the global batch in batch order; see docs/design.md, "Splitting the batch".
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -100,6 +101,11 @@ def map_batch(batch: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch
     """Applies ``fn`` to every tensor leaf, keeping the structure (and its types)."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
+    # Plain tuples and lists first, by exact type: this runs for every VN of every step,
+    # and the Mapping check below is an ABC lookup.
+    kind = type(batch)
+    if kind is tuple or kind is list:
+        return kind([fn(v) if isinstance(v, torch.Tensor) else map_batch(v, fn) for v in batch])
     if isinstance(batch, Mapping):
         return type(batch)((k, map_batch(v, fn)) for k, v in batch.items())
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
@@ -109,7 +115,7 @@ def map_batch(batch: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch
 
 def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
     """Samples [start, stop) of every leaf; views, no copies."""
-    return map_batch(batch, lambda t: t[start:stop])
+    return map_batch(batch, operator.itemgetter(slice(start, stop)))
 
 
 def concat_outputs(outputs: Sequence[Batch], name: str = "output") -> Batch:

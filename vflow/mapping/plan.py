@@ -59,7 +59,7 @@ class Plan:
     Give exactly one of the two.
     """
 
-    __slots__ = ("_counts", "_sizes", "_slices")
+    __slots__ = ("_counts", "_sizes", "_slices", "_worker_slices")
 
     def __init__(
         self,
@@ -72,6 +72,7 @@ class Plan:
         self._sizes: tuple[tuple[int, ...], ...] | None
         # batch size -> its VN slices: a step asks for the same ones every time.
         self._slices: dict[int, tuple[VNSlice, ...]] = {}
+        self._worker_slices: dict[tuple[int, int], tuple[VNSlice, ...]] = {}
         if sizes is not None:
             if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or not sizes:
                 raise ValueError(
@@ -162,8 +163,15 @@ class Plan:
 
     def worker_slices(self, worker: int, batch_size: int) -> list[VNSlice]:
         """The VNs ``worker`` runs, with their positions in the global batch."""
-        vns = self.vns(worker)
-        return list(self._cached_slices(batch_size)[vns.start : vns.stop])
+        # Only an int is looked up: True or 1.0 would find worker 1's and skip the check.
+        cached = self._worker_slices.get((worker, batch_size)) if type(worker) is int else None
+        if cached is None:
+            vns = self.vns(worker)
+            cached = self._cached_slices(batch_size)[vns.start : vns.stop]
+            if len(self._worker_slices) >= 64:  # every step asks for the same few
+                self._worker_slices.clear()
+            self._worker_slices[(worker, batch_size)] = cached
+        return list(cached)
 
     def worker_range(self, worker: int, batch_size: int) -> tuple[int, int]:
         """[start, stop) of ``worker``'s samples in a global batch of ``batch_size``."""

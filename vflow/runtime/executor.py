@@ -56,7 +56,7 @@ from vflow.runtime.reduction import for_kind
 from vflow.runtime.registered_state import registered_from
 from vflow.runtime.results import StepResult
 from vflow.runtime.step_run import StepInputs, StepRun, profiled
-from vflow.runtime.step_stats import StatsLayout
+from vflow.runtime.step_stats import GlobalStats, StatsLayout
 from vflow.world import membership
 from vflow.world.group import (
     World,
@@ -256,6 +256,9 @@ class Executor:
         self._draws: dict[int, tuple[Plan, int]] = {}
         self._last_result: StepResult | None = None
         self._warned_training_mode = False
+        # last_profile on several workers: the newest statistics whose profile nobody
+        # has read yet (built when read: Note [Profiles]), and the latest profile read.
+        self._unread_stats: GlobalStats | None = None
         self._gathered_profile: StepProfile | None = None
         self._device = params[0].device
         self._devices = sorted({p.device for p in params}, key=str)
@@ -519,6 +522,7 @@ class Executor:
         self._pending = []
         self._stats = StatsLayout(self.virtual_nodes, world.size)
         self._own_profile = None
+        self._unread_stats = None
         self._gathered_profile = None
         self._last_result = None
         if self._auto is not None:
@@ -664,13 +668,16 @@ class Executor:
         self._signal = 0
         if self._world.distributed:
             self._own_profile = result.profile  # sent with the next step's statistics
-            if run.gathered_profile is not None:
-                self._gathered_profile = run.gathered_profile
+            self._unread_stats = run.gathered
         self.step_count += 1
-        self._draws = {k: v for k, v in self._draws.items() if k >= self.step_count}
-        self._apply_due_plans()
-        if self._auto is not None and run.gathered_profile is not None and not self._pending:
-            self._follow_auto_plan(run.gathered_profile, total, max(run.leads))
+        if self._draws:
+            self._draws = {k: v for k, v in self._draws.items() if k >= self.step_count}
+        if self._pending:
+            self._apply_due_plans()
+        if self._auto is not None and run.gathered is not None and not self._pending:
+            profile = run.gathered.profile
+            if profile is not None:
+                self._follow_auto_plan(profile, total, max(run.leads))
         return result
 
     def register_pre_step_hook(self, fn: Callable[[Executor], None]) -> RemovableHandle:
@@ -756,6 +763,11 @@ class Executor:
         [Profiles], vflow/planning/profile.py): on several workers the step before the last,
         on one process the last; None before there is one (and after a new worker set)."""
         if self._world.distributed:
+            unread, self._unread_stats = self._unread_stats, None
+            # A set's first step has no profile (its newcomers had no previous step):
+            # the latest one stays.
+            if unread is not None and unread.profile is not None:
+                self._gathered_profile = unread.profile
             return self._gathered_profile
         if self._last_result is None:
             return None

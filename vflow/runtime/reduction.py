@@ -34,7 +34,9 @@ _FLAT = VNPlacement(0, 0)
 
 
 class Reduction:
-    """A strategy; this base is the default one: one all-reduce (SUM) per bucket."""
+    """A strategy; this base is the default one: one all-reduce (SUM) per bucket, or for
+    a small CPU bucket one all-gather added up in rank order (Note [Small buckets by
+    all-gather], csrc/reduction/all_reduce.cpp)."""
 
     kind = "all-reduce"
 

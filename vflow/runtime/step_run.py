@@ -21,7 +21,7 @@ from torch.profiler import record_function
 from vflow.mapping import rng
 from vflow.mapping.batching import Batch
 from vflow.mapping.plan import VNSlice
-from vflow.planning.profile import StepProfile, VNProfile, WorkerProfile
+from vflow.planning.profile import VNProfile, WorkerProfile
 from vflow.runtime import losses
 from vflow.runtime.clock import StepClock
 from vflow.runtime.grad_store import clip_grads_
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from vflow.runtime.config import Deterministic
     from vflow.runtime.grad_store import GradStore
     from vflow.runtime.module_buffers import BufferRule
-    from vflow.runtime.step_stats import StatsLayout
+    from vflow.runtime.step_stats import GlobalStats, StatsLayout
     from vflow.world.group import World
 
 
@@ -116,7 +116,7 @@ class StepRun:
         self.skipped = False
         self.grad_norm: float | None = None
         self.stats_wait = 0.0
-        self.gathered_profile: StepProfile | None = None
+        self.gathered: GlobalStats | None = None  # the step's, on several workers
         self.signals: tuple[int, ...] = (0,)
         self.leads: tuple[int, ...] = (inputs.lead,)
         self.after_vns: Any = None
@@ -130,7 +130,8 @@ class StepRun:
         generators = inputs.generators
         module_buffers = inputs.module_buffers
         distributed = inputs.world.distributed
-        seeds = rng.vn_seeds(inputs.seed, inputs.step, [s.vn for s in self.slices])
+        vn_ids = [s.vn for s in self.slices]
+        seeds = rng.vn_seeds(inputs.seed, inputs.step, vn_ids)
         grads.begin_step(inputs.step)
         last_position = len(self.slices) - 1
         with contextlib.closing(vn_batches):  # an error waits for the batch in flight
@@ -167,7 +168,7 @@ class StepRun:
                 if last and distributed:
                     reducer.start_stats(
                         inputs.stats.encode(
-                            [s.vn for s in self.slices],
+                            vn_ids,
                             self.losses,
                             self.weights,
                             self.kind,
@@ -198,7 +199,7 @@ class StepRun:
             stats = inputs.stats.decode(grads.reducer.wait_stats())
             loss_total, items_total = stats.loss_total, stats.items_total
             sum_workers, bad_items = stats.sum_workers, stats.bad_items
-            self.gathered_profile = stats.profile
+            self.gathered = stats
             self.signals = stats.signals
             self.leads = stats.leads
         else:

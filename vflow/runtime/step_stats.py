@@ -29,8 +29,9 @@ workers' counts in rank order), which keeps the reported loss independent of the
 from __future__ import annotations
 
 import array
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,9 +48,17 @@ class GlobalStats:
     items_total: float  # num_items added in VN order
     sum_workers: float  # workers whose losses are summed
     bad_items: float  # VNs with an invalid num_items, all workers
-    profile: StepProfile | None  # every worker's previous step
     signals: tuple[int, ...]  # every worker's signal word, by rank
     leads: tuple[int, ...]  # every worker's data lead, by rank
+    _layout: StatsLayout = field(repr=False, compare=False)
+    _values: list[float] = field(repr=False, compare=False)
+
+    @functools.cached_property
+    def profile(self) -> StepProfile | None:
+        """Every worker's previous step (None while a worker new to the set has none).
+        Built when first read: most steps never read it (``plan="auto"`` and
+        ``Executor.last_profile`` do), and it is a few dozen objects."""
+        return self._layout.profile(self._values)
 
 
 class StatsLayout:
@@ -93,8 +102,9 @@ class StatsLayout:
             self._put_profile(host, previous)
         host[self._signals + rank] = float(signal)
         host[self._leads + rank] = float(lead)
-        if loss_device.type == "cpu" and not any(
-            isinstance(n, torch.Tensor) and n.device.type != "cpu" for n in items
+        if loss_device.type == "cpu" and (
+            kind != "sum"  # mean losses send no item counts
+            or not any(isinstance(n, torch.Tensor) and n.device.type != "cpu" for n in items)
         ):
             for vn, loss, weight in zip(vns, losses, weights, strict=True):
                 host[vn] = loss.item() * weight
@@ -107,7 +117,8 @@ class StatsLayout:
                         bad += 1.0
                 host[self._bad + rank] = bad
             # No copy: start_stats copies what it sends.
-            return torch.frombuffer(array.array("d", host), dtype=torch.float64).to(device)
+            stats = torch.frombuffer(array.array("d", host), dtype=torch.float64)
+            return stats if device.type == "cpu" else stats.to(device)
         stats = torch.tensor(host, dtype=torch.float64, device=loss_device)
         index = torch.tensor(vns, device=loss_device)
         stats[index] = _stack_double(losses) * torch.tensor(
@@ -158,12 +169,14 @@ class StatsLayout:
             items_total,
             sum(values[self._summed : self._summed + w]),
             sum(values[self._bad : self._bad + w]),
-            self._profile(values),
             signals,
             leads,
+            self,
+            values,
         )
 
-    def _profile(self, values: list[float]) -> StepProfile | None:
+    def profile(self, values: list[float]) -> StepProfile | None:
+        """The previous step's profile of every worker, from the summed ``values``."""
         v, w = self.virtual_nodes, self.world_size
         first = self._profile_workers
         rows = [
