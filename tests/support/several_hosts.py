@@ -474,7 +474,7 @@ start = time.monotonic()
 def load(state):
     got["w"] = state["w"].clone()
     return lambda: None
-_send_state(world, 0, rank == 0, lambda: {"w": sent}, load)
+_send_state(world, [0], lambda: {"w": sent}, load)
 seconds = time.monotonic() - start
 equal = rank == 0 or torch.equal(got["w"], sent)
 print(json.dumps({"seconds": seconds, "equal": equal}), flush=True)

@@ -1,6 +1,7 @@
 """How a member's training state reaches new members (Note [Sending the training state],
 vflow/world/membership.py): every kind of value a state holds comes back bit for bit,
-and World.broadcast_own moves the packed buffer without copies."""
+World.broadcast_own moves the packed buffer without copies, and a join sends the state
+point to point from the up-to-date members to the others only."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tests.support import hosts
 from tests.support.several_hosts import state_over_a_slow_link
 from vflow.world.group import World
 from vflow.world.launch import run_ranks
-from vflow.world.membership import pack_state, unpack_state
+from vflow.world.membership import Candidate, join, pack_state, sources_of, unpack_state
 
 
 def _state() -> dict[str, Any]:
@@ -119,6 +120,77 @@ def test_broadcast_own_refuses_a_tensor_it_would_have_to_copy() -> None:
     world.group = object()  # type: ignore[assignment]
     with pytest.raises(ValueError, match="tensor must be contiguous and on cpu"):
         world.broadcast_own(0, torch.zeros(4, 2).t(), "the state")
+
+
+def test_send_own_and_recv_own_refuse_what_they_would_have_to_copy() -> None:
+    world = World(None, timedelta(seconds=1))
+    with pytest.raises(ValueError, match="this process has no other worker"):
+        world.send_own([1], torch.zeros(4), 0, "the state")
+    world.size = 2  # what distributed checks first
+    world.group = object()  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="tensor must be contiguous and on cpu"):
+        world.recv_own(1, torch.zeros(4, 2).t(), 0, "the state")
+
+
+def test_newcomers_are_striped_over_the_up_to_date_members() -> None:
+    assert sources_of(5, [0, 1]) == {2: 0, 3: 1, 4: 0}
+    assert sources_of(4, [2]) == {0: 2, 1: 2, 3: 2}
+    assert sources_of(3, [0, 1, 2]) == {}
+
+
+# Ranks 0 and 1 are members at step 7 with one state; ranks 2, 3 and 4 are newcomers
+# (rank 3 behind a large state: 3 chunks of STATE_CHUNK_BYTES) with another.
+_MEMBERS = (0, 1)
+
+
+def _join_as(rank: int, world_size: int) -> dict[str, Any]:
+    world = World(dist.group.WORLD, timedelta(seconds=60))
+    member = rank in _MEMBERS
+    held = {
+        "w": torch.full((3,), 1.5 if member else float(rank)),
+        "big": torch.arange(5 << 19, dtype=torch.float64) * (1 if member else -1),
+    }
+    calls = {"state": 0, "load": 0}
+
+    def state() -> object:
+        calls["state"] += 1
+        return held
+
+    def load_state(got: object) -> Any:
+        assert isinstance(got, dict)
+        calls["load"] += 1
+        previous = {k: v.clone() for k, v in held.items()}
+        for key, value in got.items():
+            held[key] = value.clone()
+        return lambda: held.update(previous)
+
+    join(
+        world,
+        [],
+        Candidate(member, 7 if member else 0, "progress" if member else f"new {rank}"),
+        state=state,
+        load_state=load_state,
+        fresh_start=lambda: None,
+    )
+    return {"held": held, "calls": calls}
+
+
+def test_a_join_sends_the_state_to_the_newcomers_only() -> None:
+    """Note [Sending the training state]: the members' states stay as they were, bit for
+    bit; every newcomer ends with the members' state; each member packs its state only
+    if it serves a newcomer (striped: rank 0 serves 2 and 4, rank 1 serves 3) and loads
+    nothing."""
+    results = {r.rank: r.value for r in run_ranks(5, _join_as, timeout=120)}
+    member_state = results[0]["held"]
+    assert torch.equal(member_state["w"], torch.full((3,), 1.5))
+    assert torch.equal(member_state["big"], torch.arange(5 << 19, dtype=torch.float64))
+    for rank, value in results.items():
+        for key, tensor in member_state.items():
+            assert torch.equal(value["held"][key], tensor), (rank, key)
+        if rank in _MEMBERS:
+            assert value["calls"] == {"state": 1, "load": 0}, rank
+        else:
+            assert value["calls"] == {"state": 0, "load": 1}, rank
 
 
 # ---- a state larger than one timeout's worth of a slow link --------------------------

@@ -197,10 +197,7 @@ class World:
         (a timed-out collective may still write into it: the caller drops it)."""
         if not self.distributed:
             return
-        if not tensor.is_contiguous() or tensor.device != self.device:
-            raise ValueError(
-                f"tensor must be contiguous and on {self.device}, got one on {tensor.device}"
-            )
+        self._check_own(tensor)
         options = dist.BroadcastOptions()
         options.rootRank = root
         options.rootTensor = 0
@@ -213,6 +210,41 @@ class World:
             group.broadcast([tensor], options).wait(self.timeout)
 
         self._run(collective, what, None)
+
+    def send_own(self, peers: Sequence[int], tensor: torch.Tensor, tag: int, what: str) -> None:
+        """Sends ``tensor`` to each of ``peers`` (their ``recv_own`` with the same
+        ``tag``), all at once, and waits until every send is done; each wait is bounded
+        by the timeout. The same conditions on ``tensor`` as ``broadcast_own``."""
+        self._check_own(tensor)
+        group = self.group
+        assert group is not None  # _check_own: distributed
+
+        def collective() -> None:
+            works = [group.send([tensor], peer, tag) for peer in peers]
+            for work in works:
+                work.wait(self.timeout)
+
+        self._run(collective, what, None)
+
+    def recv_own(self, peer: int, tensor: torch.Tensor, tag: int, what: str) -> None:
+        """Receives into ``tensor``, in place, what ``peer`` sends with ``send_own`` and
+        ``tag``; the wait is bounded by the timeout."""
+        self._check_own(tensor)
+        group = self.group
+        assert group is not None  # _check_own: distributed
+
+        def collective() -> None:
+            group.recv([tensor], peer, tag).wait(self.timeout)
+
+        self._run(collective, what, None)
+
+    def _check_own(self, tensor: torch.Tensor) -> None:
+        if not self.distributed:
+            raise ValueError(f"{self.description} has no other worker to exchange with")
+        if not tensor.is_contiguous() or tensor.device != self.device:
+            raise ValueError(
+                f"tensor must be contiguous and on {self.device}, got one on {tensor.device}"
+            )
 
     def sum(self, tensors: Sequence[torch.Tensor], what: str, step: int | None) -> None:
         """In place: each tensor becomes its sum over the ranks."""

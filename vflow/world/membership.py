@@ -203,39 +203,56 @@ def join(
         )
     if len(ahead) == world.size:
         return
-    _send_state(world, ahead[0], world.rank in ahead, state, load_state)
+    _send_state(world, ahead, state, load_state)
+
+
+def sources_of(world_size: int, up_to_date: Sequence[int]) -> dict[int, int]:
+    """Note [Sending the training state]: the member each other rank receives the state
+    from, newcomers striped over the up-to-date members in rank order."""
+    behind = [r for r in range(world_size) if r not in set(up_to_date)]
+    return {rank: up_to_date[i % len(up_to_date)] for i, rank in enumerate(behind)}
 
 
 def _send_state(
     world: World,
-    source: int,
-    up_to_date: bool,
+    up_to_date: Sequence[int],
     state: Callable[[], object],
     load_state: Callable[[object], Callable[[], None]],
 ) -> None:
-    if world.rank == source:
-        data, header_bytes = pack_state(state(), world.device)
-        sizes = torch.tensor([header_bytes, data.numel()], dtype=torch.int64)
-    else:
-        sizes = torch.zeros(2, dtype=torch.int64)
-    world.broadcast_from(source, [sizes], "broadcast of the training state's size", None)
-    if world.rank != source:
+    source_of = sources_of(world.size, up_to_date)
+    started = time.monotonic()
+    data: torch.Tensor | None = None
+    if world.rank in source_of:
+        source = source_of[world.rank]
+        sizes = torch.zeros(2, dtype=torch.int64, device=world.device)
+        world.recv_own(source, sizes, 0, f"receiving the training state's size from rank {source}")
         header_bytes = int(sizes[0])
         data = torch.empty(int(sizes[1]), dtype=torch.uint8, device=world.device)
-    started = time.monotonic()
-    # Note [Sending the training state]: chunk by chunk, each bounded by the timeout.
-    for at in range(0, data.numel(), STATE_CHUNK_BYTES):
-        chunk = data[at : at + STATE_CHUNK_BYTES]
-        world.broadcast_own(source, chunk, "broadcast of the training state to new members")
-    _log.debug(
-        "vflow: the training state (%d bytes) %s in %.3f s",
-        data.numel(),
-        "sent" if world.rank == source else "received",
-        time.monotonic() - started,
-    )
+        # Note [Sending the training state]: chunk by chunk, each bounded by the timeout.
+        for tag, at in enumerate(range(0, data.numel(), STATE_CHUNK_BYTES), start=1):
+            chunk = data[at : at + STATE_CHUNK_BYTES]
+            world.recv_own(source, chunk, tag, f"receiving the training state from rank {source}")
+    else:
+        mine = [rank for rank, source in source_of.items() if source == world.rank]
+        if mine:
+            data, header_bytes = pack_state(state(), world.device)
+            sizes = torch.tensor([header_bytes, data.numel()], dtype=torch.int64)
+            sizes = sizes.to(world.device)
+            world.send_own(mine, sizes, 0, f"sending the training state's size to ranks {mine}")
+            for tag, at in enumerate(range(0, data.numel(), STATE_CHUNK_BYTES), start=1):
+                chunk = data[at : at + STATE_CHUNK_BYTES]
+                world.send_own(mine, chunk, tag, f"sending the training state to ranks {mine}")
+    if data is not None:
+        _log.debug(
+            "vflow: the training state (%d bytes) %s in %.3f s",
+            data.numel(),
+            "received" if world.rank in source_of else "sent",
+            time.monotonic() - started,
+        )
     error: Exception | None = None
     undo: Callable[[], None] | None = None
-    if not up_to_date:
+    if world.rank in source_of:
+        assert data is not None
         try:
             undo = load_state(unpack_state(data, header_bytes))
         except Exception as e:
@@ -277,7 +294,16 @@ def deserialize(data: bytes) -> object:
 
 
 # Note [Sending the training state]
-# The state goes to new members as one uint8 buffer: a header (the state's tree, with
+# Only the workers that need the state receive it: each newcomer (and, with catch_up, a
+# member behind the others) gets it point to point from one up-to-date member, the
+# newcomers striped over those members in rank order (``sources_of``). A member sends
+# to its share of the newcomers all at once and receives nothing; the other members
+# take no part until the final check that every newcomer loaded it. So a grow moves
+# the state once per newcomer, not once per worker of the set (a broadcast did: N - 1
+# copies, the members' included, and a broadcast's rounds grow with N), and a member's
+# part in it depends on how many newcomers it serves, not on N. (Under NCCL each pair's
+# first transfer sets up a communicator of its own; not run here: no GPU.)
+# The state goes as one uint8 buffer: a header (the state's tree, with
 # each dense tensor replaced by an empty one of its dtype, and where each tensor's
 # bytes are), then the tensors' bytes, each at an offset aligned for any dtype. The
 # sender copies the state once into the buffer; a receiver's tensors are views into it,
@@ -285,9 +311,9 @@ def deserialize(data: bytes) -> object:
 # instead cost a 12.6 M-parameter model's member about 0.1 s and each newcomer 0.1 s
 # more (a copy into bytes on either side and the pickling), all of it time in which
 # the members stood still (benchmarks/elastic.py's grow). Whoever receives a state
-# always knows its size first, so it takes part in every broadcast even when the
-# header turns out unreadable; it then fails to load, like any bad state.
-# The buffer crosses in chunks of STATE_CHUNK_BYTES, one broadcast each, and the timeout
+# always knows its size first, so it receives every chunk even when the header turns
+# out unreadable; it then fails to load, like any bad state.
+# The buffer crosses in chunks of STATE_CHUNK_BYTES, one transfer each, and the timeout
 # bounds each chunk, not the whole: a state of many gigabytes over a slow link takes
 # what its bandwidth says (benchmarks/faults.py, the slow link), while a peer that stops
 # is still noticed within the timeout. A chunk must cross the slowest link within
