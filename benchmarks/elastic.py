@@ -56,7 +56,7 @@ joins first ("restore", measured but not a row). The events:
   grows from N-1 to N workers. vflow: the joiner builds its executor, then knocks (a
   ticket in the store); the members see it at their next step, agree within the round,
   form a group and send it the state (Note [Joining a running job],
-  vflow/elastic/job.py), without a rendezvous round. torchrun: a new rendezvous round,
+  vflow/elastic/admission.py), without a rendezvous round. torchrun: a new rendezvous round,
   every worker restarted from the checkpoint; ``--nnodes=1:N``, so the round completes
   without waiting for the last call.
 * leave: SIGTERM to a node, what a user does to take one away. vflow: the worker (the

@@ -720,10 +720,10 @@ def test_an_nccl_job_keeps_the_watchdog_from_killing_survivors_and_says_it_is_un
 ) -> None:
     """Note [NCCL rounds], up to what runs without GPUs: the setting and the warning,
     said once per process."""
-    from vflow.elastic import job as job_module
+    from vflow.elastic import groups
 
     variable = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-    monkeypatch.setattr(job_module, "_nccl_said", False)
+    monkeypatch.setattr(groups, "_nccl_said", False)
     if chosen is None:
         monkeypatch.delenv(variable, raising=False)
     else:
@@ -766,18 +766,3 @@ def test_run_checks_its_arguments_before_connecting() -> None:
         job.run(lambda g, t: None, lambda ex, s: None, -1)  # type: ignore[arg-type, return-value]
     with pytest.raises(TypeError, match="train_step must be callable"):
         job.run(lambda g, t: None, None, 1)  # type: ignore[arg-type, return-value]
-
-
-def test_survivors_agree_on_a_set_whose_every_pair_reaches_each_other() -> None:
-    """Note [Recovering within the round], step 3: after a partition between 1 and 2
-    (both reach 0), the set keeps 0 and the first of them; a one-way cut counts as a
-    cut; with everybody reaching everybody, nobody is left out."""
-    from vflow.elastic.job import _connected
-
-    full = {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
-    assert _connected([0, 1, 2], full) == [0, 1, 2]
-    cut = {0: [0, 1, 2], 1: [0, 1], 2: [0, 2]}
-    assert _connected([0, 1, 2], cut) == [0, 1]
-    one_way = {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 2]}
-    assert _connected([0, 1, 2], one_way) == [0, 1]
-    assert _connected([2, 1, 0], cut) == [2, 0]  # the set's order decides

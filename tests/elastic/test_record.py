@@ -10,8 +10,7 @@ import os
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -20,9 +19,8 @@ import pytest
 import torch.distributed as dist
 
 from tests.support import elastic_worker
-from tests.support.rendezvous import store_process
+from tests.support.rendezvous import store_process, until, worker_rendezvous
 from vflow.elastic import record as records
-from vflow.elastic.rendezvous import Rendezvous
 
 WORKER = Path(elastic_worker.__file__)
 
@@ -45,27 +43,6 @@ def _client(port: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
 
 
-def _rendezvous(port: int, job: str) -> Rendezvous:
-    return Rendezvous(
-        f"127.0.0.1:{port}",
-        job,
-        min_workers=1,
-        max_workers=4,
-        join_timeout_s=10.0,
-        last_call_s=0.1,
-        keep_alive_s=0.5,
-        keep_alive_attempts=4,
-        store_timeout_s=5.0,
-    )
-
-
-def _until(what: str, done: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, f"no {what} within {timeout:g} s"
-        time.sleep(0.05)
-
-
 def _journal(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())["jobs"] if path.exists() else {}
 
@@ -73,7 +50,10 @@ def _journal(path: Path) -> dict[str, Any]:
 def test_the_first_claim_wins_and_is_in_the_journal_when_it_returns(tmp_path: Path) -> None:
     port, journal = _free_port(), tmp_path / "journal.json"
     with _store(port, "--journal", str(journal)):
-        first, second = _rendezvous(port, "j"), _rendezvous(port, "j")
+        first, second = (
+            worker_rendezvous(f"127.0.0.1:{port}", "j"),
+            worker_rendezvous(f"127.0.0.1:{port}", "j"),
+        )
         try:
             won = first.claim("vflow/j/boot/round0")
             assert won == {"lineage": "vflow/j/boot/round0", "epoch": 1, "state": "running"}
@@ -84,7 +64,7 @@ def test_the_first_claim_wins_and_is_in_the_journal_when_it_returns(tmp_path: Pa
             raw = _client(port).get(records.record_key("j")).decode()
             assert raw == records.encode(won)  # the same bytes on every worker
             first.finish_record()
-            _until("the finished job out of the journal", lambda: _journal(journal) == {})
+            until("the finished job out of the journal", lambda: _journal(journal) == {})
         finally:
             first.close()
             second.close()
@@ -101,7 +81,7 @@ def test_a_restarted_store_restores_the_job_and_its_set_re_registers_once(
     members = []
     try:
         with _store(port, "--journal", str(journal)):
-            first, second, other = (_rendezvous(port, "j") for _ in range(3))
+            first, second, other = (worker_rendezvous(f"127.0.0.1:{port}", "j") for _ in range(3))
             members = [first, second, other]
             record = first.claim("vflow/j/boot/round0")
             second.joined(record)
@@ -109,16 +89,16 @@ def test_a_restarted_store_restores_the_job_and_its_set_re_registers_once(
             for rank, rdzv in enumerate(members):
                 rdzv.adopt("vflow/j/boot/round0", 0, rank)  # the pollers watch the store
         with _store(port, "--journal", str(journal)):
-            _until(
+            until(
                 "the set re-registered",
                 lambda: all(m.lineage and m.lineage["epoch"] == 2 for m in (first, second)),
             )
-            _until("the other lineage fenced", lambda: other.fenced() is not None)
+            until("the other lineage fenced", lambda: other.fenced() is not None)
             stored = records.parse(_client(port).get(records.record_key("j")))
             assert stored == {"lineage": "vflow/j/boot/round0", "epoch": 2, "state": "running"}
             assert other.fenced() == stored or other.fenced()["lineage"] == stored["lineage"]
             assert first.fenced() is None and second.fenced() is None
-            _until("the journal at epoch 2", lambda: _journal(journal)["j"]["epoch"] == 2)
+            until("the journal at epoch 2", lambda: _journal(journal)["j"]["epoch"] == 2)
     finally:
         for rdzv in members:
             rdzv.close()

@@ -67,6 +67,7 @@ import torch
 
 import vflow
 from vflow import elastic
+from vflow.elastic.groups import Groups
 from vflow.elastic.rendezvous import Rendezvous
 from vflow.planning.emulation import SlowDown
 from vflow.world import membership
@@ -279,13 +280,13 @@ def main(argv: list[str]) -> int:
     if args.fault == "recovery":
         # Dies while the survivors of a failed step form their worker set again, after
         # this worker answered: a second failure during the recovery.
-        recover_group, step_fn = job._group, train_step
+        make_group, step_fn = Groups.make, train_step
         seen_crash = {"yes": False}
 
-        def group_with_fault(*a: Any) -> Any:
+        def group_with_fault(self: Groups, *a: Any) -> Any:
             if seen_crash["yes"]:
                 os.kill(os.getpid(), faults.signum)
-            return recover_group(*a)
+            return make_group(self, *a)
 
         def train_step(ex: vflow.Executor, step: int) -> vflow.StepResult:
             try:
@@ -294,7 +295,7 @@ def main(argv: list[str]) -> int:
                 seen_crash["yes"] = True
                 raise
 
-        job._group = group_with_fault  # type: ignore[method-assign]
+        Groups.make = group_with_fault  # type: ignore[method-assign]
     if args.fault == "answered":
         knock = Rendezvous.knock
 

@@ -1,13 +1,20 @@
-"""The rendezvous store of elastic jobs as a process, for the tests that need one."""
+"""The rendezvous store of elastic jobs as a process, for the tests that need one, and
+workers' handles on a store."""
 
 from __future__ import annotations
 
 import select
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
+
+import torch.distributed as dist
+
+from vflow.elastic.rendezvous import Rendezvous
+from vflow.elastic.server import serve
 
 
 @contextmanager
@@ -34,3 +41,46 @@ def store_process(
                 proc.wait(timeout=30)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def worker_rendezvous(endpoint: str, job: str) -> Rendezvous:
+    """A worker's handle on job ``job`` at the store at ``endpoint`` (``"HOST:PORT"``),
+    with timeouts short enough for tests; ``close()`` it at the end."""
+    return Rendezvous(
+        endpoint,
+        job,
+        min_workers=1,
+        max_workers=4,
+        join_timeout_s=10.0,
+        last_call_s=0.1,
+        keep_alive_s=0.5,
+        keep_alive_attempts=4,
+        store_timeout_s=5.0,
+    )
+
+
+def until(what: str, done: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Waits until ``done()``; fails naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"no {what} within {timeout:g} s"
+        time.sleep(0.05)
+
+
+@contextmanager
+def local_store(job: str) -> Iterator[tuple[dist.TCPStore, Callable[[], Rendezvous]]]:
+    """A rendezvous store in this process (``serve``), whose keys the caller reads, and
+    a maker of workers' handles on job ``job`` there; the handles are closed on the way
+    out."""
+    store = serve("127.0.0.1", 0)
+    made: list[Rendezvous] = []
+
+    def worker() -> Rendezvous:
+        made.append(worker_rendezvous(f"127.0.0.1:{store.port}", job))
+        return made[-1]
+
+    try:
+        yield store, worker
+    finally:
+        for rdzv in made:
+            rdzv.close()

@@ -20,8 +20,8 @@ How the handler behaves, and what this module adds to use it from running worker
   wait list. So re-forming the group needs *every* live member to call
   ``next_round``; a dead one is dropped only by its heartbeat expiry, which is why
   vflow.elastic forms rounds only to start a job (or as a fallback) and changes a
-  running worker set within its round (Note [Recovering within the round], Note
-  [Joining a running job], vflow/elastic/job.py).
+  running worker set within its round (Note [Recovering within the round],
+  vflow/elastic/agreement.py; Note [Joining a running job], vflow/elastic/admission.py).
 * A process that wants in while a round is complete sits on the wait list.
   ``num_nodes_waiting()`` reads it, but costs a store round trip, so a poller thread
   reads it in the background and ``waiting()`` returns the last count at no cost; the
@@ -642,11 +642,11 @@ class Rendezvous:
         store = self._main_store
         return [store.get(key).decode() for key in keys if store.check([key])]
 
-    # ---- knocking (Note [Joining a running job], vflow/elastic/job.py) ---------------
+    # ---- knocking (Note [Joining a running job], vflow/elastic/admission.py) ---------
 
     def knock(self, timeout_s: float) -> dict[str, Any] | None:
         """Asks the running job's worker set to take this worker in, without a round
-        (Note [Joining a running job], vflow/elastic/job.py); returns the members'
+        (Note [Joining a running job], vflow/elastic/admission.py); returns the members'
         answer, or None when the job finished first. Raises RendezvousTimeoutError
         after ``timeout_s``, also when this worker cannot reach a member (Note [Probing
         a peer])."""
@@ -846,8 +846,8 @@ class Rendezvous:
                 try:
                     self._poll_once(self._round)
                 except Exception as e:
-                    # Training needs no store (Note [The store during a round]): the
-                    # poller reconnects on its next turn.
+                    # Training needs no store (Note [The store during a round],
+                    # vflow/elastic/reporting.py): the poller reconnects on its next turn.
                     self._waiting = 0
                     self._lost(e)
 

@@ -1,0 +1,96 @@
+"""vflow.elastic.agreement: the survivors' agreement on who is left after a crash (Note
+[Recovering within the round], steps 1-4), against a store in this process whose keys
+the tests read, with survivors that are real handles adopted into a round (their
+pollers beat, their probes answer). Step 5, the agreed set's group and the executors'
+move onto it, needs process groups and executors: tests/elastic/test_job.py runs it."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.support.rendezvous import local_store, until
+from vflow.elastic.agreement import LeftOut, Recovery, connected
+from vflow.elastic.groups import Groups, WorkerSet
+from vflow.elastic.reporting import Reporter
+
+JOB = "agreement"
+ROUND = f"vflow/{JOB}/boot/round0"  # a round's key prefix, as next_round names it
+KEYS = f"{ROUND}/vflow/recover0"  # the first agreement's keys in the round
+
+
+def _recovery(timeout_s: float) -> Recovery:
+    """One worker's Recovery; its groups and report serve only after the agreement."""
+    report = Reporter(
+        JOB,
+        "127.0.0.1:1",
+        [],
+        checkpoint=None,
+        min_workers=1,
+        join_timeout_s=timeout_s,
+        timeout_s=timeout_s,
+    )
+    return Recovery(Groups("gloo", timeout_s, None), report, timeout_s=timeout_s, max_recoveries=3)
+
+
+def test_survivors_agree_without_a_member_that_dies_during_the_agreement() -> None:
+    """Of a set of four, 3 died before the agreement, and 2 says it is alive (step 1),
+    then dies before saying whom it reaches (step 3). 0 and 1, each on its own, wait
+    for 2's row until its beats stop, not for the timeout, and adopt one decision: 0
+    and 1. 2, stopped rather than dead, answers after the decision: it is left out."""
+    with local_store(JOB) as (store, worker):
+        handles = [worker() for _ in range(3)]
+        sets = [WorkerSet(h.adopt(ROUND, 0, rank), [0, 1, 2, 3]) for rank, h in enumerate(handles)]
+        sets[2].round.store.set("vflow/recover0/alive/2", handles[2].probe_endpoint)
+        handles[2].close()  # its poller stops beating, its probe stops answering
+        start = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            agreeing = [pool.submit(_recovery(30.0).agree, handles[r], sets[r], ()) for r in (0, 1)]
+            agreed = [a.result(timeout=60) for a in agreeing]
+        assert time.monotonic() - start < 15  # not the 30 s timeout
+        assert [s.ranks for s in agreed] == [[0, 1], [0, 1]]
+        assert [s.generation for s in agreed] == [1, 1]
+        assert json.loads(store.get(f"{KEYS}/decision")) == [0, 1]
+        assert store.check([f"{KEYS}/alive/2"]) and not store.check([f"{KEYS}/alive/3"])
+        assert json.loads(store.get(f"{KEYS}/reach/0")) == [0, 1]
+        assert json.loads(store.get(f"{KEYS}/reach/1")) == [1, 0]
+        assert not store.check([f"{KEYS}/reach/2"])
+        with pytest.raises(LeftOut):
+            _recovery(30.0).agree(handles[2], sets[2], ())
+        assert json.loads(store.get(f"{KEYS}/decision")) == [0, 1]
+
+
+def test_a_newcomer_of_a_set_that_was_forming_is_not_waited_for() -> None:
+    """Step 2: the survivors of a set that broke while it formed do not wait for its
+    newcomers: one that lives (it beats) but does not answer is left out at once. A
+    member that lives and does not answer is waited for, up to ``timeout_s``."""
+    with local_store(JOB) as (store, worker):
+        member, newcomer = worker(), worker()
+        rnd = member.adopt(ROUND, 0, 0)
+        newcomer.adopt(ROUND, 0, -1)  # its poller beats in the round; it never answers
+        until("the newcomer's beats", lambda: member.beats([-1])[-1] > 1)
+        start = time.monotonic()
+        agreed = _recovery(30.0).agree(member, WorkerSet(rnd, [0, -1]), (-1,))
+        assert time.monotonic() - start < 15  # not the 30 s timeout
+        assert agreed.ranks == [0] and json.loads(store.get(f"{KEYS}/decision")) == [0]
+        start = time.monotonic()
+        waited = _recovery(2.0).agree(member, WorkerSet(rnd, [0, -1], generation=1), ())
+        assert time.monotonic() - start >= 2.0
+        assert waited.ranks == [0] and waited.generation == 2
+        assert json.loads(store.get(f"{ROUND}/vflow/recover1/decision")) == [0]
+
+
+def test_survivors_agree_on_a_set_whose_every_pair_reaches_each_other() -> None:
+    """Step 3: after a partition between 1 and 2 (both reach 0), the set keeps 0 and
+    the first of them; a one-way cut counts as a cut; with everybody reaching
+    everybody, nobody is left out."""
+    full = {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
+    assert connected([0, 1, 2], full) == [0, 1, 2]
+    cut = {0: [0, 1, 2], 1: [0, 1], 2: [0, 2]}
+    assert connected([0, 1, 2], cut) == [0, 1]
+    one_way = {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 2]}
+    assert connected([0, 1, 2], one_way) == [0, 1]
+    assert connected([2, 1, 0], cut) == [2, 0]  # the set's order decides

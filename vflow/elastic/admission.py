@@ -1,0 +1,279 @@
+"""Newcomers into a running elastic job: a newcomer's knock, the members letting it in,
+and every worker moving onto the set it joins (``Admission``, Note [Joining a running
+job]). The knock's other half, the tickets and answers in the store, is
+``Rendezvous.knock``, ``pending`` and ``answer`` (vflow/elastic/rendezvous.py).
+
+The state machine (vflow/elastic/job.py) uses this module; it uses
+vflow/elastic/agreement.py (a set that breaks while it forms recovers as after a
+crash), vflow/elastic/groups.py and vflow/elastic/reporting.py, never job.py.
+
+Note [Joining a running job]
+A rendezvous round costs a grow the last call and the handler's polling (it syncs once a
+second, hard-wired in torch's DynamicRendezvousHandler: 1.1-1.9 s measured here), and
+every member must take part. Once a job has started (it has a record: Note [Fencing a
+job], vflow/elastic/record.py), a newcomer does not use the rendezvous; it knocks:
+
+0. it probes the members the set's lowest member published (``vflow/<job>/members``)
+   and waits until it reaches them all (Note [Probing a peer], vflow/world/network.py):
+   a worker cut off from one of them would only break the set it joins;
+1. it takes a ticket, ``add("knocks", 1)`` under ``vflow/<job>``, and waits for the
+   key ``admit/<ticket>`` (or for the job's record to say it finished);
+2. the members' pollers count the knocks not answered yet (whose knockers still beat)
+   with the rendezvous' wait list, and a member that sees any sets WAITING in its
+   current step's signal word, so that all of them act after the same step, when their
+   set has room (``max_workers``, V);
+3. the members agree on whom to let in by compare-and-set on ``admit<G>/<step>`` in
+   the round's store (the first member's view wins), write every ticket's answer (the
+   round, the new set's ranks, its number G + 1) and raise the answered counter;
+4. newcomers and members form the new set as in ROUND (newcomers take negative ranks
+   in the round, never used before in it, from a counter in the round's store: the
+   round's own ranks are >= 0; the decision carries them), with refusals and failures
+   handled the same way.
+
+A member stalls for one agreement, a group's creation and the state's broadcast
+(0.04 s in tests/elastic/test_job.py's grows). A worker let in this way is not a
+participant of the rendezvous' round: its heartbeats say nothing of it (its beats
+do), and in a fallback round it joins from the wait list. A worker that knocked and
+died while it waited is passed over (Note [Knockers beat too],
+vflow/elastic/rendezvous.py); one that died in the last GONE_AFTER_S before its answer
+costs the members the group's creation timeout (``timeout_s``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import torch.distributed as dist
+
+from vflow.elastic.agreement import POLL_S, LeftOut, Recovery
+from vflow.elastic.groups import Groups, WorkerSet, publish
+from vflow.elastic.rendezvous import (
+    Rendezvous,
+    RendezvousConnectionError,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+from vflow.elastic.reporting import Reporter
+from vflow.runtime.executor import Executor
+from vflow.world.group import CollectiveError
+from vflow.world.membership import RefusedNewcomers
+
+__all__ = ["Admission", "JoinRefused", "RoundRefused", "let_in", "newcomer_ranks"]
+
+_log = logging.getLogger("vflow")
+
+
+class JoinRefused(RuntimeError):
+    """This worker cannot join the running job: it differs from the members (settings,
+    V, model, optimizer state), it was not needed (more workers than V), or it did not
+    join within the join deadline. The job goes on without it."""
+
+
+class RoundRefused(Exception):
+    """A round that formed but cannot train (no member of the running job in it, or more
+    workers than V): nobody failed, the members form the next one. ``level``: how loudly
+    to log it."""
+
+    def __init__(self, message: str, level: int) -> None:
+        super().__init__(message)
+        self.level = level
+
+
+class Admission:
+    """Note [Joining a running job], one worker's part, as a newcomer (``knock``) and as
+    a member (``admit``), and the move of every worker onto a new set (``join_set``).
+    ``groups`` makes the sets' groups, ``recovery`` re-forms a set that broke while it
+    formed, ``report`` names a lost store or gives up. The job's ``job_id``,
+    ``max_workers``, ``join_timeout_s``, ``timeout_s`` (the join deadline) and
+    ``max_recoveries`` bound it and go into its errors."""
+
+    def __init__(
+        self,
+        groups: Groups,
+        recovery: Recovery,
+        report: Reporter,
+        *,
+        job_id: str,
+        max_workers: int,
+        join_timeout_s: float,
+        timeout_s: float,
+        max_recoveries: int,
+    ) -> None:
+        self.groups = groups
+        self.recovery = recovery
+        self.report = report
+        self.job_id = job_id
+        self.max_workers = max_workers
+        self.join_timeout_s = join_timeout_s
+        self.timeout_s = timeout_s
+        self.max_recoveries = max_recoveries
+
+    def knock(self, rdzv: Rendezvous, ex: Executor, member: bool) -> tuple[WorkerSet, int] | None:
+        """Asks the running worker set to take this worker in; returns the set it joined
+        and how many members it had, or None when the job finished first."""
+        try:
+            answer = rdzv.knock(self.join_timeout_s)
+        except RendezvousTimeoutError as e:
+            why = (
+                str(e)
+                if "cannot reach" in str(e)
+                else f"its worker set is full: max_workers={self.max_workers}, at most V "
+                "workers; or it is not training"
+            )
+            raise JoinRefused(
+                f"job {self.job_id!r} did not take this worker in within join_timeout_s="
+                f"{self.join_timeout_s:g} s ({why})"
+            ) from None
+        except (RendezvousConnectionError, RendezvousStateError, dist.DistError) as e:
+            self.report.store_lost(ex if member else None, e, "asking to join the running job")
+        if answer is None:
+            return None
+        rnd = rdzv.adopt(str(answer["prefix"]), int(answer["round"]), int(answer["rank"]))
+        if answer.get("record") is not None:
+            rdzv.joined(answer["record"])
+        workers = WorkerSet(rnd, list(answer["ranks"]), int(answer["generation"]))
+        newcomers = tuple(answer["newcomers"])
+        joined = self.join_set(rdzv, workers, ex, member, newcomers)
+        if joined is None:
+            raise RoundRefused(
+                f"the worker set of job {self.job_id!r} failed to form {self.max_recoveries} times",
+                logging.WARNING,
+            )
+        return joined, len(joined.ranks) - len(newcomers)
+
+    def admit(
+        self, rdzv: Rendezvous, workers: WorkerSet, ex: Executor, wait: bool
+    ) -> WorkerSet | None:
+        """The members' side: lets the workers that knocked into the worker set; returns
+        the set (``workers`` itself when nobody knocked after all), or None when workers
+        wait on the rendezvous' wait list instead (they need a new round). With ``wait``
+        (too few workers), it waits for one up to ``join_timeout_s``."""
+        room = min(self.max_workers, ex.virtual_nodes) - len(workers.ranks)
+        deadline = time.monotonic() + self.join_timeout_s
+        try:
+            tickets = rdzv.pending(room)
+            while wait and not tickets:
+                if time.monotonic() > deadline:
+                    self.report.give_up(ex, TimeoutError("no worker asked to join"))
+                time.sleep(POLL_S)
+                tickets = rdzv.pending(room)
+            grown = let_in(rdzv, workers, ex.step_count, tickets)
+        except dist.DistError as e:
+            self.report.store_lost(ex, e, "letting a new worker in")
+        if grown is None or grown is workers:
+            return grown
+        newcomers = tuple(grown.ranks[len(workers.ranks) :])
+        _log.info(
+            "vflow elastic: %d worker(s) asked to join; taking them in at step %d",
+            len(newcomers),
+            ex.step_count,
+        )
+        return self.join_set(rdzv, grown, ex, True, newcomers)
+
+    def join_set(
+        self,
+        rdzv: Rendezvous,
+        workers: WorkerSet,
+        ex: Executor,
+        member: bool,
+        newcomers: tuple[int, ...],
+        group: dist.ProcessGroup | None = None,
+    ) -> WorkerSet | None:
+        """Moves ``ex`` onto ``workers`` (every one of them calls this; ``group``: theirs
+        if already built); returns the set it ended on, or None when a failure while it
+        formed could not be recovered from within the round (a new round). Newcomers that
+        the members refuse (Note [Refusing newcomers], vflow/world/membership.py) or that
+        fail while the set forms are left out, and the members go on without them; a
+        refused newcomer raises JoinRefused, a member left out LeftOut."""
+        rnd = workers.round
+        while True:
+            failed = False
+            try:
+                # A newcomer that died after its answer never connects: the group's
+                # creation times out, a failure like any other while the set forms.
+                if group is None:
+                    group = self.groups.make(rnd, workers.name, workers.ranks)
+                self.groups.move(ex, group, newcomer=not member)
+                publish(rdzv, ex, workers)
+                break
+            except RefusedNewcomers as e:
+                refused = [workers.ranks[r] for r in e.ranks]
+                if rnd.rank in refused:
+                    raise JoinRefused(f"job {self.job_id!r}: {e}") from None
+                _log.warning("vflow elastic: %s; going on without them", e)
+                workers = workers.without(refused)
+            except CollectiveError as e:
+                _log.warning(
+                    "vflow elastic: a worker failed while the worker set formed; the others "
+                    "re-form it without that worker"
+                )
+                _log.debug("vflow elastic: round %d: %s", rnd.number, e)
+                failed = True
+            # Before any wait: the group's connections close only with its last reference.
+            if group is not None:
+                self.groups.discard(group)
+            group = None
+            if failed:
+                too_late = JoinRefused(
+                    f"job {self.job_id!r}: this worker did not join the worker set within the "
+                    f"join deadline (timeout_s={self.timeout_s:g} s); the members went on "
+                    "without it"
+                )
+                try:
+                    recovered = self.recovery.recover(rdzv, workers, ex, newcomers)
+                except LeftOut:
+                    if rnd.rank in newcomers:
+                        raise too_late from None
+                    raise
+                if recovered is None and rnd.rank in newcomers:
+                    raise too_late
+                return recovered
+        return workers
+
+
+def let_in(rdzv: Rendezvous, workers: WorkerSet, step: int, tickets: list[int]) -> WorkerSet | None:
+    """Step 3 of Note [Joining a running job], after ``step``: the members of
+    ``workers`` agree on whom to let in (``tickets``: the knockers this member sees) and
+    answer the knockers; returns the grown set, ``workers`` itself when nobody comes in,
+    or None when only the rendezvous' wait list has workers (they need a new round)."""
+    rnd = workers.round
+    # One decision for all members, whatever each one saw: who comes in, or
+    # whether only the rendezvous' wait list has workers (they need a round).
+    # Its key names the step, which all members act after: a set that let nobody
+    # in after one step may let someone in after a later one.
+    ranks = newcomer_ranks(rnd.store, workers.ranks, len(tickets))
+    proposal = {
+        "tickets": tickets,
+        "ranks": ranks,
+        "round": not tickets and rdzv.wait_list() > 0,
+    }
+    key = f"vflow/admit{workers.generation}/{step}"
+    decision = json.loads(rnd.store.compare_set(key, "", json.dumps(proposal)))
+    decided = [int(t) for t in decision["tickets"]]
+    if not decided:
+        return None if decision["round"] else workers
+    newcomers = [int(r) for r in decision["ranks"]]
+    grown = workers.successor(workers.ranks + newcomers)
+    answer = {
+        "round": rnd.number,
+        "prefix": rnd.prefix,
+        "ranks": grown.ranks,
+        "generation": grown.generation,
+        "record": rdzv.lineage,
+        "newcomers": newcomers,
+    }
+    rdzv.answer(decided, [dict(answer, rank=r) for r in newcomers])
+    return grown
+
+
+def newcomer_ranks(store: dist.Store, ranks: list[int], count: int) -> list[int]:
+    """Round ranks for ``count`` newcomers: negative (the round's own ranks are >= 0),
+    never used before in the round, handed out by a counter in the round's store. A
+    counter behind the set's own ranks (the store restarted and forgot it) first jumps
+    past them."""
+    used = int(store.add("vflow/newcomers", 0))
+    behind = max(0, -min([0, *ranks]) - used)
+    top = int(store.add("vflow/newcomers", behind + count))
+    return [-(top - i) for i in range(count)]

@@ -1,0 +1,193 @@
+"""The survivors' agreement after a crash: who is left, in the round's store, and their
+new worker set (``Recovery``, Note [Recovering within the round]).
+
+The state machine (vflow/elastic/job.py) and the admission of newcomers
+(vflow/elastic/admission.py, when a set that was forming breaks) use this module; it
+uses vflow/elastic/groups.py and vflow/elastic/reporting.py, never them.
+
+Note [Recovering within the round]
+Gloo cannot cancel a collective, and a survivor blocked on another survivor (not on
+the dead worker) would wait for ``timeout_s``. But a Gloo group's connections close
+when its last reference goes: so a worker that sees a collective fail first drops its
+group (``Executor.abort_group``), which makes every peer blocked on it fail at once,
+and so on, until every survivor has seen the failure. Then, in the round's store:
+
+1. each survivor writes ``recover<G>/alive/<rank>`` (G: how many worker sets the round
+   has had, the same on all members), whose value is where it answers probes;
+2. it waits until every other worker of the set has either answered or stopped
+   beating (Note [Beats], vflow/elastic/rendezvous.py), up to ``timeout_s``;
+   newcomers of a set that was forming are not waited for;
+3. it probes every other survivor (Note [Probing a peer], vflow/world/network.py) and
+   writes whom it reached to ``recover<G>/reach/<rank>``, then waits for the others'
+   rows as in 2. A group breaks as surely over a cut between two survivors as over a
+   dead one, and after a partition both ends still answer: without this step they would
+   form the same broken set again and again;
+4. the first survivor to get there writes the decision to ``recover<G>/decision`` with
+   compare-and-set: the survivors in the set's order, each kept if it and every one
+   kept before it reach each other (``connected``); every survivor adopts what is
+   there, so all agree even when they saw different answers;
+5. the ranks of the decision form the next group of the round and ``reconfigure``
+   onto it with ``catch_up``, then redo the failed step.
+
+A survivor not in the decision (it answered after it was made, or it is cut off from a
+worker kept before it) asks to join again (Note [Joining a running job],
+vflow/elastic/admission.py) and comes back as a grow once it reaches every member; a
+newcomer not in it raises JoinRefused. A failure during steps 1-5 starts them again on
+the next G, up to ``max_recoveries`` times, then the worker falls back to a new round.
+No rendezvous round forms, so a crash costs neither the heartbeat expiry nor the last
+call. Probing costs a round trip per pair when all is well, and the probe's timeout
+(0.5 s) when a pair is cut.
+
+Fewer than ``min_workers`` after a failure: the members wait up to ``join_timeout_s``
+for a worker to knock, then raise RuntimeError, after writing ``checkpoint`` (if
+given) with ``vflow.runtime.save_local``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import torch.distributed as dist
+
+from vflow.elastic.groups import Groups, WorkerSet, publish
+from vflow.elastic.rendezvous import GONE_AFTER_S, Rendezvous
+from vflow.elastic.reporting import Reporter
+from vflow.runtime.executor import Executor
+from vflow.world import network
+from vflow.world.group import CollectiveError
+
+__all__ = ["POLL_S", "LeftOut", "Recovery", "connected"]
+
+# How often a worker waiting on the others looks at the store: a recovering one at their
+# answers and beats, the members waiting for a newcomer at the knocks.
+POLL_S = 0.02
+
+_log = logging.getLogger("vflow")
+
+
+class LeftOut(Exception):
+    """The survivors of a failure agreed on a worker set without this worker (it
+    answered too late): it asks to join again (Note [Joining a running job],
+    vflow/elastic/admission.py)."""
+
+
+class Recovery:
+    """Note [Recovering within the round], one worker's part: ``groups`` makes the new
+    set's group, ``report`` names a lost store; every wait on the others is bounded by
+    ``timeout_s``, and at most ``max_recoveries`` agreements in a row are tried."""
+
+    def __init__(
+        self, groups: Groups, report: Reporter, *, timeout_s: float, max_recoveries: int
+    ) -> None:
+        self.groups = groups
+        self.report = report
+        self.timeout_s = timeout_s
+        self.max_recoveries = max_recoveries
+
+    def recover(
+        self, rdzv: Rendezvous, workers: WorkerSet, ex: Executor, newcomers: tuple[int, ...]
+    ) -> WorkerSet | None:
+        """The survivors of a failed collective form their worker set again in the same
+        round; returns it, or None when they could not within ``max_recoveries``
+        attempts (then a new round). Raises LeftOut when the others went on without
+        this worker."""
+        self.groups.abort(ex)
+        try:
+            return self._reform(rdzv, workers, ex, newcomers)
+        except dist.DistError as e:
+            self.report.store_lost(ex, e, "the survivors of a failure agreed on who is left")
+
+    def _reform(
+        self, rdzv: Rendezvous, workers: WorkerSet, ex: Executor, newcomers: tuple[int, ...]
+    ) -> WorkerSet | None:
+        """An agreement and the agreed set's group, again on the next agreement's keys
+        when a worker fails while the group forms, up to ``max_recoveries`` times."""
+        rnd = workers.round
+        for attempt in range(self.max_recoveries):
+            workers = self.agree(rdzv, workers, newcomers)
+            group = None
+            try:
+                group = self.groups.make(rnd, workers.name, workers.ranks)
+                self.groups.move(ex, group)
+                publish(rdzv, ex, workers)
+                return workers
+            except CollectiveError as e:
+                if group is not None:
+                    self.groups.discard(group)
+                group = None
+                _log.warning(
+                    "vflow elastic: a worker failed while the survivors re-formed the worker "
+                    "set (attempt %d); trying again",
+                    attempt + 1,
+                )
+                _log.debug("vflow elastic: recovery: %s", e)
+                ex.abort_group()
+            newcomers = ()
+        return None
+
+    def agree(self, rdzv: Rendezvous, workers: WorkerSet, newcomers: tuple[int, ...]) -> WorkerSet:
+        """Steps 1-4 of Note [Recovering within the round]: the survivors of
+        ``workers`` agree on who is left (``newcomers`` are not waited for); returns the
+        next worker set. Raises LeftOut when it goes on without this worker."""
+        rnd = workers.round
+        store = rnd.store
+        prefix = f"vflow/recover{workers.generation}"
+        store.set(f"{prefix}/alive/{rnd.rank}", rdzv.probe_endpoint)
+        waited_for = [r for r in workers.ranks if r not in newcomers]
+        survivors = self._answers(rdzv, workers, f"{prefix}/alive", waited_for)
+        reach = self._reach(rdzv, workers, prefix, survivors)
+        proposal = connected([r for r in workers.ranks if r in reach], reach)
+        decided = json.loads(store.compare_set(f"{prefix}/decision", "", json.dumps(proposal)))
+        if rnd.rank not in decided:
+            raise LeftOut
+        return workers.successor(decided)
+
+    def _answers(
+        self, rdzv: Rendezvous, workers: WorkerSet, prefix: str, waited_for: list[int]
+    ) -> list[int]:
+        """The workers of ``workers`` that wrote ``prefix/<rank>``, in the set's order,
+        once every worker of ``waited_for`` has either written or is gone (its beats
+        stopped: Note [Beats], vflow/elastic/rendezvous.py), within ``timeout_s``. Others
+        (newcomers) are not waited for: one that has not answered when the others are
+        settled is left out (a slow joiner never stalls the job)."""
+        store = workers.round.store
+        deadline = time.monotonic() + self.timeout_s
+        last: dict[int, tuple[int, float]] = {}
+        while True:
+            answered = [r for r in workers.ranks if store.check([f"{prefix}/{r}"])]
+            pending = [r for r in waited_for if r not in answered]
+            now = time.monotonic()
+            if pending:
+                for r, beat in rdzv.beats(pending).items():
+                    if r not in last or last[r][0] != beat:
+                        last[r] = (beat, now)
+                pending = [r for r in pending if now - last[r][1] < GONE_AFTER_S]
+            if not pending or now > deadline:
+                return answered
+            time.sleep(POLL_S)
+
+    def _reach(
+        self, rdzv: Rendezvous, workers: WorkerSet, prefix: str, survivors: list[int]
+    ) -> dict[int, list[int]]:
+        """Note [Recovering within the round], step 3: which survivors each survivor
+        reaches (Note [Probing a peer], vflow/world/network.py), for those that said."""
+        store, me = workers.round.store, workers.round.rank
+        others = [r for r in survivors if r != me]
+        endpoints = [store.get(f"{prefix}/alive/{r}").decode() for r in others]
+        mine = [me] + [r for r, ok in zip(others, network.reachable(endpoints)) if ok]
+        store.set(f"{prefix}/reach/{me}", json.dumps(mine))
+        said = self._answers(rdzv, workers, f"{prefix}/reach", survivors)
+        return {r: json.loads(store.get(f"{prefix}/reach/{r}")) for r in said}
+
+
+def connected(order: list[int], reach: dict[int, list[int]]) -> list[int]:
+    """The workers of ``order`` taken one by one, each kept if it and every worker kept
+    before it reach each other: a worker set whose every pair can talk (Note
+    [Recovering within the round])."""
+    kept: list[int] = []
+    for r in order:
+        if all(k in reach[r] and r in reach[k] for k in kept):
+            kept.append(r)
+    return kept
