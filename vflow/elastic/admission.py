@@ -30,7 +30,7 @@ job], vflow/elastic/record.py), a newcomer does not use the rendezvous; it knock
    round's own ranks are >= 0; the decision carries them), with refusals and failures
    handled the same way.
 
-A member stalls for one agreement, a group's creation and the state's broadcast
+A member stalls for one agreement, a group's creation and the state sent to the newcomers
 (0.04 s in tests/elastic/test_job.py's grows). A worker let in this way is not a
 participant of the rendezvous' round: its heartbeats say nothing of it (its beats
 do), and in a fallback round it joins from the wait list. A worker that knocked and

@@ -81,7 +81,7 @@ Note [Joining ahead]
 Building a model, its optimizer and an Executor takes seconds in a fresh process (the
 first optimizer imports torch._dynamo), more with CUDA or a big model. A worker does
 it before it asks to join, on a group of its own (``single_group``), so the
-members' stall for a grow is one agreement and the state's broadcast, and a worker
+members' stall for a grow is one agreement and the state sent to the newcomers, and a worker
 slow to start never holds up a round. Its executor then joins with
 ``reconfigure(newcomer=True)``, which is what constructing it on the round's group
 would have done.
