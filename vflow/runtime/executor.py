@@ -256,10 +256,9 @@ class Executor:
         self._draws: dict[int, tuple[Plan, int]] = {}
         self._last_result: StepResult | None = None
         self._warned_training_mode = False
-        # last_profile on several workers: the newest statistics whose profile nobody
-        # has read yet (built when read: Note [Profiles]), and the latest profile read.
-        self._unread_stats: GlobalStats | None = None
-        self._gathered_profile: StepProfile | None = None
+        # last_profile on several workers: the latest step's statistics, whose profile
+        # is built when read (Note [Profiles]).
+        self._gathered: GlobalStats | None = None
         self._device = params[0].device
         self._devices = sorted({p.device for p in params}, key=str)
         self._generators = rng.generators(self._devices)
@@ -522,8 +521,7 @@ class Executor:
         self._pending = []
         self._stats = StatsLayout(self.virtual_nodes, world.size)
         self._own_profile = None
-        self._unread_stats = None
-        self._gathered_profile = None
+        self._gathered = None
         self._last_result = None
         if self._auto is not None:
             self._auto.reset()  # other workers, other speeds
@@ -668,7 +666,7 @@ class Executor:
         self._signal = 0
         if self._world.distributed:
             self._own_profile = result.profile  # sent with the next step's statistics
-            self._unread_stats = run.gathered
+            self._gathered = run.gathered
         self.step_count += 1
         if self._draws:
             self._draws = {k: v for k, v in self._draws.items() if k >= self.step_count}
@@ -763,12 +761,9 @@ class Executor:
         [Profiles], vflow/planning/profile.py): on several workers the step before the last,
         on one process the last; None before there is one (and after a new worker set)."""
         if self._world.distributed:
-            unread, self._unread_stats = self._unread_stats, None
-            # A set's first step has no profile (its newcomers had no previous step):
-            # the latest one stays.
-            if unread is not None and unread.profile is not None:
-                self._gathered_profile = unread.profile
-            return self._gathered_profile
+            # None only on a worker set's first step, when no worker had a previous
+            # one: every later step of the set carries every worker's.
+            return None if self._gathered is None else self._gathered.profile
         if self._last_result is None:
             return None
         return StepProfile(self._last_result.step, (self._last_result.profile,))

@@ -236,8 +236,9 @@ def _send_state(
         mine = [rank for rank, source in source_of.items() if source == world.rank]
         if mine:
             data, header_bytes = pack_state(state(), world.device)
-            sizes = torch.tensor([header_bytes, data.numel()], dtype=torch.int64)
-            sizes = sizes.to(world.device)
+            sizes = torch.tensor(
+                [header_bytes, data.numel()], dtype=torch.int64, device=world.device
+            )
             world.send_own(mine, sizes, 0, f"sending the training state's size to ranks {mine}")
             for tag, at in enumerate(range(0, data.numel(), STATE_CHUNK_BYTES), start=1):
                 chunk = data[at : at + STATE_CHUNK_BYTES]
