@@ -1,15 +1,18 @@
 """vflow.elastic.admission: newcomers let into a running job (Note [Joining a running
 job]), the knockers' and the members' sides against a store in this process, whose keys
-the tests read. Knockers are real ``Rendezvous.knock`` calls (threads, and one process
-that is killed); members are handles adopted into a round, whose pollers beat and watch
-the knockers as a training set's do. Moving executors onto the grown set needs process
-groups and executors: tests/elastic/test_job.py runs that part."""
+the tests read. Knockers are real ``Rendezvous.knock`` calls (threads, and processes
+that are killed or stopped); members are handles adopted into a round, whose pollers
+beat, and the lowest of which watches the door, as a training set's do. Moving
+executors onto the grown set needs process groups and executors:
+tests/elastic/test_job.py runs that part."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +22,7 @@ import torch.distributed as dist
 from tests.support.rendezvous import local_store, until
 from vflow.elastic.admission import let_in
 from vflow.elastic.groups import WorkerSet
-from vflow.elastic.rendezvous import Rendezvous
+from vflow.elastic.rendezvous import _ACK_S, Rendezvous
 
 JOB = "admission"
 ROUND = f"vflow/{JOB}/boot/round0"  # a round's key prefix, as next_round names it
@@ -31,6 +34,8 @@ def _members(worker: Callable[[], Rendezvous], count: int) -> list[tuple[Rendezv
     """The ``count`` members of a running worker set: round ranks 0.. of round 0."""
     handles = [worker() for _ in range(count)]
     ranks = list(range(count))
+    for rank, h in enumerate(handles):
+        h.watch(rank == 0)  # as groups.publish has it
     return [(h, WorkerSet(h.adopt(ROUND, 0, rank), ranks)) for rank, h in enumerate(handles)]
 
 
@@ -39,14 +44,29 @@ def _counter(store: dist.Store, name: str) -> int:
 
 
 def _answer(store: dist.Store, ticket: int) -> dict[str, object]:
-    return dict(json.loads(store.get(f"vflow/{JOB}/admit/{ticket}")))
+    """The members' final answer to ``ticket`` (Note [Knockers acknowledge])."""
+    return dict(json.loads(store.get(f"vflow/{JOB}/admit/{ticket}/in")))
+
+
+def _knocker(store: dist.TCPStore) -> subprocess.Popen[bytes]:
+    """A knocker in a process of its own, to be killed or stopped while it waits."""
+    command = [sys.executable, "-c", _KNOCKER, f"127.0.0.1:{store.port}", JOB]
+    return subprocess.Popen(command, cwd=REPO_ROOT)
+
+
+_KNOCKER = (
+    "import sys\n"
+    "from tests.support.rendezvous import worker_rendezvous\n"
+    "worker_rendezvous(sys.argv[1], sys.argv[2]).knock(600.0)\n"
+)
 
 
 def test_several_knockers_are_let_in_at_once_by_one_decision() -> None:
-    """Steps 1-3: three workers knock; the members' decision, keyed by the step, is the
-    first member's view (a second member that saw only one knock adopts it); each
-    knocker gets its own new round rank in the grown set, and the answered counter
-    covers them all."""
+    """Steps 1-3: three workers knock; only the lowest member watches the door and
+    reports them once the window has passed; the members' decisions, keyed by the
+    step, are the first member's view (a second member that saw one ticket adopts
+    them); each knocker acknowledges its offer and gets its own new round rank in the
+    grown set, and the answered counter covers them all."""
     with local_store(JOB) as (store, worker):
         (first, set0), (second, set1) = _members(worker, 2)
         # Nobody knocked: the set stays as it is.
@@ -55,26 +75,51 @@ def test_several_knockers_are_let_in_at_once_by_one_decision() -> None:
         with ThreadPoolExecutor(3) as pool:
             knocks = [pool.submit(worker().knock, KNOCK_S) for _ in range(3)]
             until("three knocks", lambda: first.pending(8) == [1, 2, 3])
-            until("the members' pollers counting them", lambda: second.waiting() == 3)
+            until("the watching member counting them", lambda: first.waiting() == 3)
+            assert second.waiting() == 0  # it does not watch
             grown = let_in(first, set0, 7, first.pending(8))
             adopted = let_in(second, set1, 7, [1])
             answers = [k.result(timeout=KNOCK_S) for k in knocks]
         decision = json.loads(store.get(f"{ROUND}/vflow/admit0/7"))
         assert decision["tickets"] == [1, 2, 3] and decision["round"] is False
-        newcomers = decision["ranks"]
+        final = json.loads(store.get(f"{ROUND}/vflow/admit0/7/in"))
+        assert final["tickets"] == [1, 2, 3]
+        newcomers = final["ranks"]
         assert len(set(newcomers)) == 3 and all(r < 0 for r in newcomers)
         assert grown is not None and adopted is not None
         assert grown.ranks == adopted.ranks == [0, 1, *newcomers]
         assert grown.generation == adopted.generation == 1
+        assert sorted(store.get(f"vflow/{JOB}/acks/1").decode().strip(",").split(",")) == [
+            "1",
+            "2",
+            "3",
+        ]
         by_ticket = {a["ticket"]: a for a in answers}
         assert sorted(by_ticket) == [1, 2, 3]
-        for ticket, rank in zip(decision["tickets"], newcomers, strict=True):
+        for ticket, rank in zip(final["tickets"], newcomers, strict=True):
             answer = by_ticket[ticket]
             assert answer["rank"] == rank and answer["ranks"] == grown.ranks
             assert answer["newcomers"] == newcomers and answer["generation"] == 1
             assert (answer["prefix"], answer["round"]) == (ROUND, 0)
         assert _counter(store, "answered") == 3
         assert first.pending(8) == [] and second.pending(8) == []
+
+
+def test_twenty_knockers_at_once_are_let_in_by_one_grow() -> None:
+    """No limit on the tickets followed: twenty workers knocking at once are one
+    decision and one grown set of 21, each acknowledged, with twenty distinct ranks."""
+    with local_store(JOB) as (store, worker):
+        ((member, workers),) = _members(worker, 1)
+        with ThreadPoolExecutor(20) as pool:
+            knocks = [pool.submit(worker().knock, KNOCK_S) for _ in range(20)]
+            until("twenty knocks", lambda: member.pending(64) == list(range(1, 21)))
+            until("the member counting them", lambda: member.waiting() == 20)
+            grown = let_in(member, workers, 2, member.pending(64))
+            answers = [k.result(timeout=KNOCK_S) for k in knocks]
+        assert grown is not None and grown.generation == 1 and len(set(grown.ranks)) == 21
+        assert sorted(a["rank"] for a in answers) == sorted(grown.ranks[1:])
+        assert all(a["ranks"] == grown.ranks for a in answers)
+        assert _counter(store, "answered") == 20 and member.pending(64) == []
 
 
 def test_knockers_beyond_the_sets_room_are_let_in_after_a_later_step() -> None:
@@ -93,39 +138,28 @@ def test_knockers_beyond_the_sets_room_are_let_in_after_a_later_step() -> None:
         assert last is not None and last.generation == 2
         assert last.ranks[:3] == grown.ranks and len(set(last.ranks)) == 4
         assert answers[3]["rank"] == last.ranks[3] and answers[3]["ranks"] == last.ranks
-        assert json.loads(store.get(f"{ROUND}/vflow/admit1/5"))["tickets"] == [3]
+        assert json.loads(store.get(f"{ROUND}/vflow/admit1/5/in"))["tickets"] == [3]
         assert _counter(store, "answered") == 3
 
 
-# A knocker in a process of its own, to be killed while it waits for its answer.
-_KNOCKER = (
-    "import sys\n"
-    "from tests.support.rendezvous import worker_rendezvous\n"
-    "worker_rendezvous(sys.argv[1], sys.argv[2]).knock(600.0)\n"
-)
-
-
-def test_a_knocker_that_died_while_it_waited_is_not_let_in() -> None:
-    """Note [Knockers beat too]: a knocker killed while it waits stops beating on its
-    ticket; the members' pollers, which counted it while it beat, pass it over, the
-    live knocker after it is let in alone, and the dead one's ticket is answered
-    "again"."""
+def test_a_knocker_that_died_while_it_waited_is_never_let_in() -> None:
+    """Note [Knockers acknowledge]: a knocker killed while it waits is offered a place
+    with the live one that knocked after it, never acknowledges, and is answered
+    "again"; the live one comes in alone, and the members waited about _ACK_S for the
+    dead one, not a group's creation timeout."""
     with local_store(JOB) as (store, worker):
         ((member, workers),) = _members(worker, 1)
-        command = [sys.executable, "-c", _KNOCKER, f"127.0.0.1:{store.port}", JOB]
-        doomed = subprocess.Popen(command, cwd=REPO_ROOT)
+        doomed = _knocker(store)
         try:
             until("the knocker's ticket", lambda: _counter(store, "knocks") == 1, timeout=120)
-            until("its beats", lambda: _counter(store, "knock/1/beat") >= 2)
-            until("the member counting it", lambda: member.waiting() == 1)
             doomed.kill()
             doomed.wait(timeout=30)
             with ThreadPoolExecutor(1) as pool:
                 knock = pool.submit(worker().knock, KNOCK_S)
-                until("the live knock", lambda: _counter(store, "knocks") == 2)
-                until("the dead knocker passed over", lambda: member.pending(8) == [2])
-                until("the member counting one knocker", lambda: member.waiting() == 1)
+                until("the live knock", lambda: member.pending(8) == [1, 2])
+                start = time.monotonic()
                 grown = let_in(member, workers, 3, member.pending(8))
+                waited = time.monotonic() - start
                 answer = knock.result(timeout=KNOCK_S)
         finally:
             if doomed.poll() is None:
@@ -134,32 +168,33 @@ def test_a_knocker_that_died_while_it_waited_is_not_let_in() -> None:
         assert answer["ticket"] == 2
         assert grown is not None and grown.ranks == [0, answer["rank"]]
         assert _answer(store, 1) == {"again": True}
+        assert json.loads(store.get(f"{ROUND}/vflow/admit0/3/in"))["tickets"] == [2]
         assert _counter(store, "answered") == 2
+        assert waited >= _ACK_S  # it waited for the dead one's acknowledgement
 
 
-def test_a_knocker_passed_over_while_it_lived_knocks_again_and_is_let_in_later() -> None:
-    """Note [Knockers beat too]: when the members let a later ticket in, a skipped
-    ticket is answered "again"; its knocker, alive after all (stopped, starved), takes
-    a new ticket instead of joining, and the set lets it in after a later step."""
+def test_a_knocker_stopped_past_its_offer_knocks_again_and_is_let_in_later() -> None:
+    """A knocker that was alive but did not acknowledge in time (stopped, starved) is
+    answered "again" and takes a new ticket once it runs; the set lets it in after a
+    later step."""
     with local_store(JOB) as (store, worker):
         ((member, workers),) = _members(worker, 1)
-        with ThreadPoolExecutor(2) as pool:
-            early = pool.submit(worker().knock, KNOCK_S)
-            until("the first ticket", lambda: _counter(store, "knocks") == 1)
-            late = pool.submit(worker().knock, KNOCK_S)
-            until("the second ticket", lambda: _counter(store, "knocks") == 2)
-            # This member's view passed ticket 1 over, as when its knocker's beats stood
-            # still for GONE_AFTER_S.
-            grown = let_in(member, workers, 3, [2])
-            assert late.result(timeout=KNOCK_S)["ticket"] == 2
+        slow = _knocker(store)
+        try:
+            until("the knocker's ticket", lambda: _counter(store, "knocks") == 1, timeout=120)
+            slow.send_signal(signal.SIGSTOP)
+            same = let_in(member, workers, 3, member.pending(8))
+            assert same is workers  # nobody acknowledged
             assert _answer(store, 1) == {"again": True}
-            until("the skipped knocker's new ticket", lambda: _counter(store, "knocks") == 3)
-            assert not early.done()
-            assert member.pending(8) == [3]
-            assert grown is not None
-            last = let_in(member, grown, 4, member.pending(8))
-            answer = early.result(timeout=KNOCK_S)
-        assert answer["ticket"] == 3 and answer["generation"] == 2
-        assert last is not None and answer["rank"] == last.ranks[-1]
-        assert last.ranks[:2] == grown.ranks
-        assert _counter(store, "answered") == 3
+            slow.send_signal(signal.SIGCONT)
+            until("its new ticket", lambda: member.pending(8) == [2])
+            grown = let_in(member, workers, 4, member.pending(8))
+            assert grown is not None and len(grown.ranks) == 2
+            assert slow.wait(timeout=KNOCK_S) == 0  # its knock returned: it is in
+        finally:
+            if slow.poll() is None:
+                slow.send_signal(signal.SIGCONT)
+                slow.kill()
+                slow.wait(timeout=30)
+        assert json.loads(store.get(f"{ROUND}/vflow/admit0/4/in"))["tickets"] == [2]
+        assert _counter(store, "answered") == 2

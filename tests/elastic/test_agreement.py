@@ -9,20 +9,24 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 from tests.support.rendezvous import local_store, until
-from vflow.elastic.agreement import LeftOut, Recovery, connected
+from vflow.elastic.agreement import LeftOut, Recovery, _said, _say, connected
 from vflow.elastic.groups import Groups, WorkerSet
+from vflow.elastic.rendezvous import GONE_AFTER_S
 from vflow.elastic.reporting import Reporter
+from vflow.world.store import RequestCounts
 
 JOB = "agreement"
 ROUND = f"vflow/{JOB}/boot/round0"  # a round's key prefix, as next_round names it
 KEYS = f"{ROUND}/vflow/recover0"  # the first agreement's keys in the round
 
 
-def _recovery(timeout_s: float) -> Recovery:
+def _recovery(timeout_s: float, gone_after_s: float = GONE_AFTER_S) -> Recovery:
     """One worker's Recovery; its groups and report serve only after the agreement."""
     report = Reporter(
         JOB,
@@ -33,7 +37,26 @@ def _recovery(timeout_s: float) -> Recovery:
         join_timeout_s=timeout_s,
         timeout_s=timeout_s,
     )
-    return Recovery(Groups("gloo", timeout_s, None), report, timeout_s=timeout_s, max_recoveries=3)
+    return Recovery(
+        Groups("gloo", timeout_s, None),
+        report,
+        timeout_s=timeout_s,
+        max_recoveries=3,
+        gone_after_s=gone_after_s,
+    )
+
+
+def _rows(store: dist.Store, step: str) -> dict[Any, Any]:
+    """The answers of the first agreement's ``step`` ("alive", "reach"), by rank: one
+    line each in one key (Note [An agreement's requests]), and under "gone" the ranks
+    found gone (Note [A verdict said once])."""
+    rows: dict[Any, Any] = {"gone": set()}
+    for first, second in map(json.loads, store.get(f"{KEYS}/{step}").decode().splitlines()):
+        if first == "gone":
+            rows["gone"].add(second)
+        else:
+            rows[first] = second
+    return rows
 
 
 def test_survivors_agree_without_a_member_that_dies_during_the_agreement() -> None:
@@ -44,7 +67,7 @@ def test_survivors_agree_without_a_member_that_dies_during_the_agreement() -> No
     with local_store(JOB) as (store, worker):
         handles = [worker() for _ in range(3)]
         sets = [WorkerSet(h.adopt(ROUND, 0, rank), [0, 1, 2, 3]) for rank, h in enumerate(handles)]
-        sets[2].round.store.set("vflow/recover0/alive/2", handles[2].probe_endpoint)
+        _say(sets[2].round.store, "vflow/recover0/alive", 2, handles[2].probe_endpoint)
         handles[2].close()  # its poller stops beating, its probe stops answering
         start = time.monotonic()
         with ThreadPoolExecutor(2) as pool:
@@ -54,10 +77,12 @@ def test_survivors_agree_without_a_member_that_dies_during_the_agreement() -> No
         assert [s.ranks for s in agreed] == [[0, 1], [0, 1]]
         assert [s.generation for s in agreed] == [1, 1]
         assert json.loads(store.get(f"{KEYS}/decision")) == [0, 1]
-        assert store.check([f"{KEYS}/alive/2"]) and not store.check([f"{KEYS}/alive/3"])
-        assert json.loads(store.get(f"{KEYS}/reach/0")) == [0, 1]
-        assert json.loads(store.get(f"{KEYS}/reach/1")) == [1, 0]
-        assert not store.check([f"{KEYS}/reach/2"])
+        alive = _rows(store, "alive")
+        assert sorted(r for r in alive if r != "gone") == [0, 1, 2]  # 3 never answered
+        assert alive["gone"] == {3}  # said by whoever found it first, taken by the other
+        reach = _rows(store, "reach")
+        assert reach[0] == [0, 1] and reach[1] == [1, 0] and 2 not in reach
+        assert reach["gone"] == {2}
         with pytest.raises(LeftOut):
             _recovery(30.0).agree(handles[2], sets[2], ())
         assert json.loads(store.get(f"{KEYS}/decision")) == [0, 1]
@@ -94,3 +119,54 @@ def test_survivors_agree_on_a_set_whose_every_pair_reaches_each_other() -> None:
     one_way = {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 2]}
     assert connected([0, 1, 2], one_way) == [0, 1]
     assert connected([2, 1, 0], cut) == [2, 0]  # the set's order decides
+
+
+def test_a_survivors_requests_per_poll_do_not_grow_with_the_set() -> None:
+    """Note [An agreement's requests]: reading every answer of a step is one request,
+    and the beats of every worker still waited for one more after a check, for a set
+    of 3 as for a set of 40; a beat key the store lost (a restart) is made, not waited
+    for."""
+    with local_store(JOB) as (_store, worker):
+        counts = RequestCounts()
+        me = worker(counts)
+        rnd = me.adopt(ROUND, 0, 0)
+        for size in (3, 40):
+            ranks = list(range(size))
+            key = f"vflow/size{size}/alive"
+            for r in ranks:
+                _say(rnd.store, key, r, f"127.0.0.1:{r + 1}")
+            before = counts.total("main")
+            said, gone = _said(rnd.store, key, ranks)
+            assert sorted(said) == ranks and not gone and counts.total("main") - before == 1
+            for r in ranks:
+                rnd.store.set(f"beat/{r}", str(r + 1))
+            before = counts.total("main")
+            assert me.beats(ranks[1:]) == {r: r + 1 for r in ranks[1:]}  # 0 beats itself
+            assert counts.total("main") - before == 2  # check + multi_get
+        before = counts.total("main")
+        assert me.beats([1000]) == {1000: 0}  # never beat: made at 0, not waited for
+        assert counts.total("main") - before == 2  # check + add
+
+
+def test_a_survivor_takes_an_earlier_survivors_verdict_that_a_worker_is_gone() -> None:
+    """Note [A verdict said once]: a survivor that finds a worker's beats still says so
+    under the answers' key; a survivor arriving later takes its word at once instead of
+    watching the beats for gone_after_s itself."""
+    with local_store(JOB) as (_store, worker):
+        me = worker()
+        rnd = me.adopt(ROUND, 0, 0)
+        workers = WorkerSet(rnd, [0, 1, 2])
+        first, second = "vflow/first/alive", "vflow/second/alive"
+        for key in (first, second):
+            _say(rnd.store, key, 0, "a")
+            _say(rnd.store, key, 1, "b")
+        # 2 never beat: the first survivor finds it gone after gone_after_s and says so.
+        start = time.monotonic()
+        looked = _recovery(30.0, gone_after_s=0.5)._answers(me, workers, first, [0, 1, 2])
+        assert sorted(looked) == [0, 1] and time.monotonic() - start >= 0.5
+        assert _said(rnd.store, first, [0, 1, 2])[1] == {2}
+        # A later survivor with a long verdict time takes the word already said.
+        rnd.store.append(second, json.dumps(["gone", 2]) + "\n")
+        start = time.monotonic()
+        taken = _recovery(30.0, gone_after_s=20.0)._answers(me, workers, second, [0, 1, 2])
+        assert sorted(taken) == [0, 1] and time.monotonic() - start < 5.0

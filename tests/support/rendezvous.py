@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from vflow.elastic.rendezvous import Rendezvous
 from vflow.elastic.server import serve
+from vflow.world.store import RequestCounts
 
 
 @contextmanager
@@ -43,9 +44,10 @@ def store_process(
             proc.stdout.close()
 
 
-def worker_rendezvous(endpoint: str, job: str) -> Rendezvous:
+def worker_rendezvous(endpoint: str, job: str, counts: RequestCounts | None = None) -> Rendezvous:
     """A worker's handle on job ``job`` at the store at ``endpoint`` (``"HOST:PORT"``),
-    with timeouts short enough for tests; ``close()`` it at the end."""
+    with timeouts short enough for tests, its requests counted in ``counts`` if given;
+    ``close()`` it at the end."""
     return Rendezvous(
         endpoint,
         job,
@@ -56,6 +58,7 @@ def worker_rendezvous(endpoint: str, job: str) -> Rendezvous:
         keep_alive_s=0.5,
         keep_alive_attempts=4,
         store_timeout_s=5.0,
+        counts=counts,
     )
 
 
@@ -68,15 +71,17 @@ def until(what: str, done: Callable[[], bool], timeout: float = 20.0) -> None:
 
 
 @contextmanager
-def local_store(job: str) -> Iterator[tuple[dist.TCPStore, Callable[[], Rendezvous]]]:
+def local_store(
+    job: str,
+) -> Iterator[tuple[dist.TCPStore, Callable[..., Rendezvous]]]:
     """A rendezvous store in this process (``serve``), whose keys the caller reads, and
-    a maker of workers' handles on job ``job`` there; the handles are closed on the way
-    out."""
+    a maker of workers' handles on job ``job`` there (``worker(counts=None)``); the
+    handles are closed on the way out."""
     store = serve("127.0.0.1", 0)
     made: list[Rendezvous] = []
 
-    def worker() -> Rendezvous:
-        made.append(worker_rendezvous(f"127.0.0.1:{store.port}", job))
+    def worker(counts: RequestCounts | None = None) -> Rendezvous:
+        made.append(worker_rendezvous(f"127.0.0.1:{store.port}", job, counts))
         return made[-1]
 
     try:

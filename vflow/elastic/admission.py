@@ -18,13 +18,18 @@ job], vflow/elastic/record.py), a newcomer does not use the rendezvous; it knock
    a worker cut off from one of them would only break the set it joins;
 1. it takes a ticket, ``add("knocks", 1)`` under ``vflow/<job>``, and waits for the
    key ``admit/<ticket>`` (or for the job's record to say it finished);
-2. the members' pollers count the knocks not answered yet (whose knockers still beat)
-   with the rendezvous' wait list, and a member that sees any sets WAITING in its
-   current step's signal word, so that all of them act after the same step, when their
-   set has room (``max_workers``, V);
-3. the members agree on whom to let in by compare-and-set on ``admit<G>/<step>`` in
-   the round's store (the first member's view wins), write every ticket's answer (the
-   round, the new set's ranks, its number G + 1) and raise the answered counter;
+2. the set's lowest member counts the tickets not answered yet, with the rendezvous'
+   wait list (Note [One member watches the door], vflow/elastic/rendezvous.py), once
+   no new one came for the last call (Note [A window for joiners]), and sets WAITING
+   in its current step's signal word, so that all members act after the same step,
+   when their set has room (``max_workers``, V);
+3. the members agree on whom to offer a place by compare-and-set on
+   ``admit<G>/<step>`` in the round's store (the first member's view wins: the oldest
+   tickets, as many as there is room), offer it to each ticket and raise the answered
+   counter; each knocker acknowledges, and the members agree on the ones that did
+   within _ACK_S (Note [Knockers acknowledge], vflow/elastic/rendezvous.py) by
+   compare-and-set on ``admit<G>/<step>/in``; every offered ticket gets its final
+   answer (the round, the new set's ranks, its number G + 1; or "again");
 4. newcomers and members form the new set as in ROUND (newcomers take negative ranks
    in the round, never used before in it, from a counter in the round's store: the
    round's own ranks are >= 0; the decision carries them), with refusals and failures
@@ -34,9 +39,8 @@ A member stalls for one agreement, a group's creation and the state sent to the 
 (0.04 s in tests/elastic/test_job.py's grows). A worker let in this way is not a
 participant of the rendezvous' round: its heartbeats say nothing of it (its beats
 do), and in a fallback round it joins from the wait list. A worker that knocked and
-died while it waited is passed over (Note [Knockers beat too],
-vflow/elastic/rendezvous.py); one that died in the last GONE_AFTER_S before its answer
-costs the members the group's creation timeout (``timeout_s``).
+died while it waited never acknowledges and is never let in; one that died after its
+acknowledgement costs the members the group's creation timeout (``timeout_s``).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import time
 
 import torch.distributed as dist
 
-from vflow.elastic.agreement import POLL_S, LeftOut, Recovery
+from vflow.elastic.agreement import POLL_S, LeftOut, Recovery, set_poll_s
 from vflow.elastic.groups import Groups, WorkerSet, publish
 from vflow.elastic.rendezvous import (
     Rendezvous,
@@ -152,14 +156,20 @@ class Admission:
         (too few workers), it waits for one up to ``join_timeout_s``."""
         room = min(self.max_workers, ex.virtual_nodes) - len(workers.ranks)
         deadline = time.monotonic() + self.join_timeout_s
+        attempt = 0
         try:
-            tickets = rdzv.pending(room)
-            while wait and not tickets:
+            while True:
+                tickets = rdzv.pending(room)
+                if tickets or not wait:
+                    grown = let_in(rdzv, workers, ex.step_count, tickets, attempt)
+                    # Waiting, a decision that let nobody in (the knockers did not
+                    # acknowledge) is followed by another: every member counts the same.
+                    if not wait or grown is not workers:
+                        break
+                    attempt += 1
                 if time.monotonic() > deadline:
                     self.report.give_up(ex, TimeoutError("no worker asked to join"))
                 time.sleep(POLL_S)
-                tickets = rdzv.pending(room)
-            grown = let_in(rdzv, workers, ex.step_count, tickets)
         except dist.DistError as e:
             self.report.store_lost(ex, e, "letting a new worker in")
         if grown is None or grown is workers:
@@ -233,29 +243,37 @@ class Admission:
         return workers
 
 
-def let_in(rdzv: Rendezvous, workers: WorkerSet, step: int, tickets: list[int]) -> WorkerSet | None:
+def let_in(
+    rdzv: Rendezvous, workers: WorkerSet, step: int, tickets: list[int], attempt: int = 0
+) -> WorkerSet | None:
     """Step 3 of Note [Joining a running job], after ``step``: the members of
-    ``workers`` agree on whom to let in (``tickets``: the knockers this member sees) and
-    answer the knockers; returns the grown set, ``workers`` itself when nobody comes in,
-    or None when only the rendezvous' wait list has workers (they need a new round)."""
+    ``workers`` agree on whom to let in (``tickets``: the unanswered tickets this member
+    sees, oldest first, as many as there is room) and answer the knockers; returns the
+    grown set, ``workers`` itself when nobody comes in, or None when only the
+    rendezvous' wait list has workers (they need a new round). ``attempt``: how many
+    decisions after the same step came before this one (every member counts the same)."""
     rnd = workers.round
-    # One decision for all members, whatever each one saw: who comes in, or
-    # whether only the rendezvous' wait list has workers (they need a round).
-    # Its key names the step, which all members act after: a set that let nobody
-    # in after one step may let someone in after a later one.
-    ranks = newcomer_ranks(rnd.store, workers.ranks, len(tickets))
-    proposal = {
-        "tickets": tickets,
-        "ranks": ranks,
-        "round": not tickets and rdzv.wait_list() > 0,
-    }
-    key = f"vflow/admit{workers.generation}/{step}"
+    # One decision for all members, whatever each one saw: whom to offer a place, or
+    # whether only the rendezvous' wait list has workers (they need a round). Its key
+    # names the step, which all members act after: a set that let nobody in after one
+    # step may let someone in after a later one.
+    proposal = {"tickets": tickets, "round": not tickets and rdzv.wait_list() > 0}
+    key = f"vflow/admit{workers.generation}/{step}" + (f".{attempt}" if attempt else "")
     decision = json.loads(rnd.store.compare_set(key, "", json.dumps(proposal)))
-    decided = [int(t) for t in decision["tickets"]]
-    if not decided:
+    offered = [int(t) for t in decision["tickets"]]
+    if not offered:
         return None if decision["round"] else workers
-    newcomers = [int(r) for r in decision["ranks"]]
-    grown = workers.successor(workers.ranks + newcomers)
+    # Note [Knockers acknowledge]: tickets are never taken twice in a job's store, so
+    # the first offered one names the acknowledgements' key.
+    acks = f"acks/{offered[0]}"
+    # The member whose view won writes the offers: one write for the set.
+    rdzv.offer(offered, acks, write=decision == proposal)
+    acked = rdzv.acknowledged(acks, offered, set_poll_s(len(workers.ranks)))
+    proposal = {"tickets": acked, "ranks": newcomer_ranks(rnd.store, workers.ranks, len(acked))}
+    final = json.loads(rnd.store.compare_set(f"{key}/in", "", json.dumps(proposal)))
+    decided = [int(t) for t in final["tickets"]]
+    newcomers = [int(r) for r in final["ranks"]]
+    grown = workers.successor(workers.ranks + newcomers) if decided else workers
     answer = {
         "round": rnd.number,
         "prefix": rnd.prefix,
@@ -264,7 +282,11 @@ def let_in(rdzv: Rendezvous, workers: WorkerSet, step: int, tickets: list[int]) 
         "record": rdzv.lineage,
         "newcomers": newcomers,
     }
-    rdzv.answer(decided, [dict(answer, rank=r) for r in newcomers])
+    rank_of = dict(zip(decided, newcomers, strict=True))
+    rdzv.answer(
+        offered,
+        [dict(answer, rank=rank_of[t]) if t in rank_of else {"again": True} for t in offered],
+    )
     return grown
 
 

@@ -12,15 +12,15 @@ when its last reference goes: so a worker that sees a collective fail first drop
 group (``Executor.abort_group``), which makes every peer blocked on it fail at once,
 and so on, until every survivor has seen the failure. Then, in the round's store:
 
-1. each survivor writes ``recover<G>/alive/<rank>`` (G: how many worker sets the round
-   has had, the same on all members), whose value is where it answers probes;
+1. each survivor appends its rank and where it answers probes to ``recover<G>/alive``
+   (G: how many worker sets the round has had, the same on all members);
 2. it waits until every other worker of the set has either answered or stopped
    beating (Note [Beats], vflow/elastic/rendezvous.py), up to ``timeout_s``;
    newcomers of a set that was forming are not waited for;
 3. it probes every other survivor (Note [Probing a peer], vflow/world/network.py) and
-   writes whom it reached to ``recover<G>/reach/<rank>``, then waits for the others'
-   rows as in 2. A group breaks as surely over a cut between two survivors as over a
-   dead one, and after a partition both ends still answer: without this step they would
+   appends whom it reached to ``recover<G>/reach``, then waits for the others' rows
+   as in 2. A group breaks as surely over a cut between two survivors as over a dead
+   one, and after a partition both ends still answer: without this step they would
    form the same broken set again and again;
 4. the first survivor to get there writes the decision to ``recover<G>/decision`` with
    compare-and-set: the survivors in the set's order, each kept if it and every one
@@ -38,6 +38,16 @@ No rendezvous round forms, so a crash costs neither the heartbeat expiry nor the
 call. Probing costs a round trip per pair when all is well, and the probe's timeout
 (0.5 s) when a pair is cut.
 
+Note [An agreement's requests]
+Every answer of a step goes into one key (``append``), so a survivor waiting on the
+others reads one key per poll, and the beats of those it still waits for with one
+``multi_get`` (Rendezvous.beats): three requests a poll whatever N, where reading a key
+per worker made an agreement's requests grow with N². The poll's period grows with the
+set beyond _SET_POLLS_PER_S / POLL_S workers (50), so that a whole set's polls stay
+at _SET_POLLS_PER_S a second (7,500 requests a second to the store at most, however
+many workers; the simulator measures what the store serves: benchmarks/store_load.py),
+at the cost of a longer agreement in sets that large.
+
 Fewer than ``min_workers`` after a failure: the members wait up to ``join_timeout_s``
 for a worker to knock, then raise RuntimeError, after writing ``checkpoint`` (if
 given) with ``vflow.runtime.save_local``.
@@ -48,6 +58,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -58,11 +70,13 @@ from vflow.runtime.executor import Executor
 from vflow.world import network
 from vflow.world.group import CollectiveError
 
-__all__ = ["POLL_S", "LeftOut", "Recovery", "connected"]
+__all__ = ["POLL_S", "LeftOut", "Recovery", "connected", "set_poll_s"]
 
 # How often a worker waiting on the others looks at the store: a recovering one at their
 # answers and beats, the members waiting for a newcomer at the knocks.
 POLL_S = 0.02
+# A whole worker set's polls a second during an agreement (Note [An agreement's requests]).
+_SET_POLLS_PER_S = 2500
 
 _log = logging.getLogger("vflow")
 
@@ -76,15 +90,28 @@ class LeftOut(Exception):
 class Recovery:
     """Note [Recovering within the round], one worker's part: ``groups`` makes the new
     set's group, ``report`` names a lost store; every wait on the others is bounded by
-    ``timeout_s``, and at most ``max_recoveries`` agreements in a row are tried."""
+    ``timeout_s``, and at most ``max_recoveries`` agreements in a row are tried; a
+    worker whose beats stood still for ``gone_after_s`` is gone (Note [Beats],
+    vflow/elastic/rendezvous.py)."""
 
     def __init__(
-        self, groups: Groups, report: Reporter, *, timeout_s: float, max_recoveries: int
+        self,
+        groups: Groups,
+        report: Reporter,
+        *,
+        timeout_s: float,
+        max_recoveries: int,
+        gone_after_s: float = GONE_AFTER_S,
+        reachable: Callable[[list[str]], list[bool]] = network.reachable,
     ) -> None:
         self.groups = groups
         self.report = report
         self.timeout_s = timeout_s
         self.max_recoveries = max_recoveries
+        self.gone_after_s = gone_after_s
+        # Which probe endpoints this worker reaches (Note [Probing a peer]); the protocol
+        # simulator (benchmarks/store_load.py) stands in for it.
+        self.reachable = reachable
 
     def recover(
         self, rdzv: Rendezvous, workers: WorkerSet, ex: Executor, newcomers: tuple[int, ...]
@@ -134,10 +161,11 @@ class Recovery:
         rnd = workers.round
         store = rnd.store
         prefix = f"vflow/recover{workers.generation}"
-        store.set(f"{prefix}/alive/{rnd.rank}", rdzv.probe_endpoint)
+        _say(store, f"{prefix}/alive", rnd.rank, rdzv.probe_endpoint)
         waited_for = [r for r in workers.ranks if r not in newcomers]
-        survivors = self._answers(rdzv, workers, f"{prefix}/alive", waited_for)
-        reach = self._reach(rdzv, workers, prefix, survivors)
+        alive = self._answers(rdzv, workers, f"{prefix}/alive", waited_for)
+        survivors = [r for r in workers.ranks if r in alive]
+        reach = self._reach(rdzv, workers, prefix, {r: str(alive[r]) for r in survivors})
         proposal = connected([r for r in workers.ranks if r in reach], reach)
         decided = json.loads(store.compare_set(f"{prefix}/decision", "", json.dumps(proposal)))
         if rnd.rank not in decided:
@@ -145,41 +173,85 @@ class Recovery:
         return workers.successor(decided)
 
     def _answers(
-        self, rdzv: Rendezvous, workers: WorkerSet, prefix: str, waited_for: list[int]
-    ) -> list[int]:
-        """The workers of ``workers`` that wrote ``prefix/<rank>``, in the set's order,
-        once every worker of ``waited_for`` has either written or is gone (its beats
-        stopped: Note [Beats], vflow/elastic/rendezvous.py), within ``timeout_s``. Others
-        (newcomers) are not waited for: one that has not answered when the others are
-        settled is left out (a slow joiner never stalls the job)."""
+        self, rdzv: Rendezvous, workers: WorkerSet, key: str, waited_for: list[int]
+    ) -> dict[int, Any]:
+        """What the workers of ``workers`` said under ``key`` (``_say``), once every
+        worker of ``waited_for`` has either said or is gone (its beats stopped: Note
+        [Beats], vflow/elastic/rendezvous.py), within ``timeout_s``. Others (newcomers)
+        are not waited for: one that has not answered when the others are settled is
+        left out (a slow joiner never stalls the job)."""
         store = workers.round.store
+        poll = set_poll_s(len(workers.ranks))
         deadline = time.monotonic() + self.timeout_s
         last: dict[int, tuple[int, float]] = {}
         while True:
-            answered = [r for r in workers.ranks if store.check([f"{prefix}/{r}"])]
-            pending = [r for r in waited_for if r not in answered]
+            said, gone = _said(store, key, workers.ranks)
+            pending = [r for r in waited_for if r not in said and r not in gone]
             now = time.monotonic()
             if pending:
                 for r, beat in rdzv.beats(pending).items():
                     if r not in last or last[r][0] != beat:
                         last[r] = (beat, now)
-                pending = [r for r in pending if now - last[r][1] < GONE_AFTER_S]
+                found = [r for r in pending if now - last[r][1] >= self.gone_after_s]
+                for r in found:  # Note [A verdict said once]
+                    store.append(key, json.dumps([_GONE, r]) + "\n")
+                pending = [r for r in pending if r not in found]
             if not pending or now > deadline:
-                return answered
-            time.sleep(POLL_S)
+                return said
+            time.sleep(poll)
 
     def _reach(
-        self, rdzv: Rendezvous, workers: WorkerSet, prefix: str, survivors: list[int]
+        self, rdzv: Rendezvous, workers: WorkerSet, prefix: str, endpoints: dict[int, str]
     ) -> dict[int, list[int]]:
         """Note [Recovering within the round], step 3: which survivors each survivor
-        reaches (Note [Probing a peer], vflow/world/network.py), for those that said."""
-        store, me = workers.round.store, workers.round.rank
-        others = [r for r in survivors if r != me]
-        endpoints = [store.get(f"{prefix}/alive/{r}").decode() for r in others]
-        mine = [me] + [r for r, ok in zip(others, network.reachable(endpoints)) if ok]
-        store.set(f"{prefix}/reach/{me}", json.dumps(mine))
-        said = self._answers(rdzv, workers, f"{prefix}/reach", survivors)
-        return {r: json.loads(store.get(f"{prefix}/reach/{r}")) for r in said}
+        reaches (Note [Probing a peer], vflow/world/network.py), for those that said;
+        ``endpoints``: the survivors' probe endpoints."""
+        me = workers.round.rank
+        others = [r for r in endpoints if r != me]
+        found = self.reachable([endpoints[r] for r in others])
+        mine = [me] + [r for r, ok in zip(others, found, strict=True) if ok]
+        _say(workers.round.store, f"{prefix}/reach", me, mine)
+        said = self._answers(rdzv, workers, f"{prefix}/reach", list(endpoints))
+        return {r: [int(k) for k in row] for r, row in said.items()}
+
+
+def set_poll_s(workers: int) -> float:
+    """How often each of ``workers`` looks at the store while they wait on each other
+    (Note [An agreement's requests])."""
+    return max(POLL_S, workers / _SET_POLLS_PER_S)
+
+
+def _say(store: dist.Store, key: str, rank: int, value: object) -> None:
+    """Appends ``rank``'s ``value`` to the answers under ``key`` (Note [An agreement's
+    requests]): one line of JSON each."""
+    store.append(key, json.dumps([rank, value]) + "\n")
+
+
+def _said(store: dist.Store, key: str, ranks: list[int]) -> tuple[dict[int, Any], set[int]]:
+    """The answers under ``key`` of the workers of ``ranks``, and those of them found
+    gone (Note [A verdict said once]); this worker said its own before it reads, so the
+    key exists."""
+    said: dict[int, Any] = {}
+    gone: set[int] = set()
+    for line in store.get(key).decode().splitlines():
+        first, second = json.loads(line)
+        if first == _GONE:
+            gone.add(int(second))
+        elif first in ranks:
+            said.setdefault(int(first), second)
+    return said, gone
+
+
+# Note [A verdict said once]
+# Survivors reach the agreement over as long as a step takes (each fails when it reaches
+# the failed step's collective), and each judges a beat still only on its own clock: a
+# survivor that arrives a second after the crash would watch the dead worker's beats
+# for another gone_after_s although the others found it gone long before. So a
+# survivor that finds a worker gone says so under the same key as the answers, and the
+# others take its word: an agreement waits gone_after_s after the first survivor to
+# look, not after the last. A live worker found gone by a survivor (its poller starved)
+# counts as gone for all of them, as it would have for that survivor's decision alone.
+_GONE = "gone"
 
 
 def connected(order: list[int], reach: dict[int, list[int]]) -> list[int]:

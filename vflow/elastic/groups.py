@@ -110,7 +110,9 @@ class Groups:
 
 def publish(rdzv: Rendezvous, ex: Executor, workers: WorkerSet) -> None:
     """The set's lowest member says who is in it, for knockers to probe (Note [Probing
-    a peer], vflow/world/network.py); training goes on without the store."""
+    a peer], vflow/world/network.py), and watches for them (Note [One member watches
+    the door], vflow/elastic/rendezvous.py); training goes on without the store."""
+    rdzv.watch(ex.rank == 0)
     if ex.rank == 0:
         try:
             rdzv.publish_members(workers.ranks)

@@ -109,7 +109,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from vflow.elastic import record as records
 from vflow.elastic.record import Record
 from vflow.world.network import ProbeListener, loopback_interface, reachable
-from vflow.world.store import connect_store
+from vflow.world.store import CountingStore, RequestCounts, connect_store
 
 __all__ = [
     "GONE_AFTER_S",
@@ -141,19 +141,22 @@ __all__ = [
 _POLL_S = 0.1
 GONE_AFTER_S = 0.4
 
-# Note [Knockers beat too]
-# A worker waiting for its answer (Rendezvous.knock) beats on its ticket every _POLL_S,
-# and the members' pollers follow the unanswered tickets' beats: a ticket whose knocker
-# stopped beating for GONE_AFTER_S counts neither as waiting nor among the tickets to
-# let in, so a knocker that died while it waited (for a place in a full job, say) does
-# not make the members wait for its connection until their timeout. Letting in a later
-# ticket answers the skipped ones with "again": a knocker judged gone while it lived
-# (stopped, starved) takes a new ticket. One that dies after the members last looked
-# at its beats still costs them the group's creation timeout.
+# Note [Knockers acknowledge]
+# Members never follow a knocker's liveness: the members' answer to a ticket is first an
+# offer, which the knocker acknowledges by appending its ticket to the offer's ``acks``
+# key; the members wait up to _ACK_S for every offered ticket's acknowledgement
+# (one read of that key per poll, whatever the number of tickets) and then decide, by
+# compare-and-set, who comes in: the knockers that acknowledged. The others' tickets are
+# answered "again" (one alive after all, stopped or starved, takes a new ticket). So a
+# knocker that died while it waited, however many knocked, is never let in, and costs
+# the members at most _ACK_S once; nothing is watched per ticket, so there is no limit
+# on how many knock at once. A knocker that dies after its acknowledgement, in the
+# milliseconds before it connects, still costs the group's creation timeout.
 _KNOCKS, _ANSWERED = "knocks", "answered"  # counters of tickets
 _KNOCK_POLL_S = 0.02  # a knocking worker looks for its answer this often
-_TICKETS_WATCHED = 16  # unanswered tickets whose knockers' beats the poller follows
-_RECORD_POLL_S = 0.5  # a knocker looks whether the job finished, a member whether it is fenced
+_ACK_S = 1.0  # how long the members wait for an offered ticket's acknowledgement
+_DOOR_POLL_S = 0.25  # the watching member reads the knocks counter this often
+_RECORD_POLL_S = 1.0  # a knocker looks whether the job finished, a member whether it is fenced
 _MEMBERS = "members"  # job key: the current worker set's round prefix and ranks
 # One attempt to connect again to a store that broke the connection: long enough for a
 # store that is back, short enough that a poller retrying a dead one stays responsive.
@@ -187,11 +190,20 @@ class Round:
     world_size: int
     prefix: str
     connection: Callable[[], dist.Store]
+    # The client itself, when ``connection`` counts requests (Note [Counting requests to
+    # the store], vflow/world/store.py): process groups are built on it.
+    raw_connection: Callable[[], dist.Store] | None = None
 
     @property
     def store(self) -> dist.Store:
         """The round's keys, on this worker's current connection to the store."""
         return dist.PrefixStore(self.prefix, self.connection())
+
+    @property
+    def group_store(self) -> dist.Store:
+        """The round's keys for its process groups."""
+        raw = self.raw_connection or self.connection
+        return dist.PrefixStore(self.prefix, raw())
 
 
 def round_group(
@@ -218,7 +230,7 @@ def round_group(
     if rendezvous_round.rank not in members:
         raise ValueError(f"ranks {members} do not include this worker's {rendezvous_round.rank}")
     rank, size = members.index(rendezvous_round.rank), len(members)
-    store = dist.PrefixStore(f"vflow/{name}", rendezvous_round.store)
+    store = dist.PrefixStore(f"vflow/{name}", rendezvous_round.group_store)
     return _group_on(
         store, rank, size, timeout, backend, f"round {rendezvous_round.number}/{name}", interface
     )
@@ -308,7 +320,9 @@ class Rendezvous:
     restarts]. Connecting fails with a RuntimeError naming the endpoint when the store
     cannot be reached within ``store_timeout_s``. ``probe_address``: the address of the
     interface this worker's collectives use, where it answers its peers' probes (Note
-    [Probing a peer], vflow/world/network.py)."""
+    [Probing a peer], vflow/world/network.py). ``counts``: where this worker's requests
+    to the store are counted (Note [Counting requests to the store],
+    vflow/world/store.py); None: not counted."""
 
     def __init__(
         self,
@@ -323,8 +337,10 @@ class Rendezvous:
         keep_alive_attempts: int,
         store_timeout_s: float,
         probe_address: str = "127.0.0.1",
+        counts: RequestCounts | None = None,
     ) -> None:
         self._host, self._port = parse_endpoint(endpoint)
+        self.counts = counts
         self.endpoint = endpoint
         self.job_id = job_id
         self.store_timeout_s = store_timeout_s
@@ -359,8 +375,11 @@ class Rendezvous:
         self._reconnecting = threading.Lock()
         self._waiting = 0
         self._wait_list = 0
-        self._knock_beats: dict[int, tuple[int, float]] = {}  # ticket: beat, when it moved
         self._answered_seen = 0  # the poller's: Note [Reading the tickets]
+        self._watching = False  # Note [One member watches the door]
+        self._knocks_seen = 0  # the highest ticket the poller has seen taken
+        self._knock_since = 0.0  # when it first saw it (time.monotonic())
+        self._unanswered_since = 0.0  # when it first saw a ticket unanswered
         self._evicted = False
         self._adopted = False
         self._in_round = False
@@ -370,6 +389,7 @@ class Rendezvous:
         self._members: str | None = None  # what this worker last published as _MEMBERS
         self._lost_since: float | None = None
         self._next_record_look = 0.0
+        self._next_door_look = 0.0
         self._handler: DynamicRendezvousHandler | None = None
         self._install(poll, main, boot)
         self._probe = ProbeListener(probe_address)
@@ -394,6 +414,10 @@ class Rendezvous:
         """Puts this worker on new connections: the first ones, or after the old ones
         broke. The handler stays the same (its node keeps its name in the rendezvous)
         and is rewired to the new connection."""
+        self._main_raw = main
+        if self.counts is not None:
+            poll = CountingStore(poll, self.counts, "poller")
+            main = CountingStore(main, self.counts, "main")
         backend = C10dRendezvousBackend(poll, self.job_id)
         if self._handler is None:
             handler = DynamicRendezvousHandler.from_backend(
@@ -417,10 +441,13 @@ class Rendezvous:
         # The job's own keys on the poller's connection (the poller's alone).
         self._poll_job = dist.PrefixStore(f"vflow/{self.job_id}", poll)
         # A restarted store counts tickets from 0 again (Note [Reading the tickets]).
-        self._answered_seen = 0
+        self._answered_seen = self._knocks_seen = 0
 
     def _main(self) -> dist.Store:
         return self._main_store
+
+    def _group_connection(self) -> dist.Store:
+        return self._main_raw
 
     @property
     def job_store(self) -> dist.Store:
@@ -447,7 +474,6 @@ class Rendezvous:
                     # The new store's rendezvous has no round: this worker stays in its
                     # own (its keys travel with it), like a worker let in by knocking.
                     self._adopted = True
-                    self._knock_beats = {}
             try:
                 if restarted:
                     self._reregister()
@@ -593,7 +619,9 @@ class Rendezvous:
             self._evicted = False
             self._adopted = False
             prefix = f"vflow/{self.job_id}/{self._boot}/round{number}"
-            self._round = Round(number, info.rank, info.world_size, prefix, self._main)
+            self._round = Round(
+                number, info.rank, info.world_size, prefix, self._main, self._group_connection
+            )
             self._say_probe()
             self._in_round = True
         return self._round
@@ -605,7 +633,7 @@ class Rendezvous:
             self._waiting = 0
             self._evicted = False
             self._adopted = True
-            self._round = Round(number, rank, 0, prefix, self._main)
+            self._round = Round(number, rank, 0, prefix, self._main, self._group_connection)
             self._say_probe()
             self._in_round = True
         return self._round
@@ -659,43 +687,55 @@ class Rendezvous:
             self._in_round = False
             self._round = None
         deadline = time.monotonic() + timeout_s
-        said_restored = False
+        self._said_restored = False
         while True:
             if not self._await_reachable_members(deadline):
                 return None
             job = self.job_store
             ticket = int(job.add(_KNOCKS, 1))
-            answer_key = f"admit/{ticket}"
-            next_look = next_beat = 0.0
-            while not job.check([answer_key]):
-                now = time.monotonic()
-                if now >= next_beat:  # Note [Knockers beat too]
-                    job.add(_knock_beat_key(ticket), 1)
-                    next_beat = now + _POLL_S
-                if now >= next_look:
-                    current = self.record()
-                    if current is not None and current["state"] != "running":
-                        return None
-                    if current is not None and current.get("restored") and not said_restored:
-                        said_restored = True
-                        _log.warning(
-                            "vflow elastic: job %r ran on the store at %s before the store "
-                            "restarted, and its workers have not re-registered yet; waiting "
-                            "for them (up to join_timeout_s=%g s). If they are gone, start the "
-                            "job under a new id (from its checkpoint)",
-                            self.job_id,
-                            self.endpoint,
-                            timeout_s,
-                        )
-                    next_look = now + _RECORD_POLL_S
-                if now > deadline:
-                    raise RendezvousTimeoutError(
-                        f"no answer to this worker's request to join within {timeout_s:g} s"
-                    )
-                time.sleep(_KNOCK_POLL_S)
-            answer = json.loads(job.get(answer_key))
+            offer = self._await_answer(job, f"admit/{ticket}", deadline, timeout_s)
+            if offer is None:
+                return None
+            if "acks" in offer:  # Note [Knockers acknowledge]
+                job.append(str(offer["acks"]), f"{ticket},")
+                answer = self._await_answer(job, f"admit/{ticket}/in", deadline, timeout_s)
+                if answer is None:
+                    return None
+            else:
+                answer = offer
             if not answer.get("again"):
                 return dict(answer, ticket=ticket)
+
+    def _await_answer(
+        self, job: dist.Store, key: str, deadline: float, timeout_s: float
+    ) -> dict[str, Any] | None:
+        """The members' answer at ``key``, or None when the job finished first; raises
+        RendezvousTimeoutError at ``deadline``."""
+        next_look = 0.0
+        while not job.check([key]):
+            now = time.monotonic()
+            if now >= next_look:
+                current = self.record()
+                if current is not None and current["state"] != "running":
+                    return None
+                if current is not None and current.get("restored") and not self._said_restored:
+                    self._said_restored = True
+                    _log.warning(
+                        "vflow elastic: job %r ran on the store at %s before the store "
+                        "restarted, and its workers have not re-registered yet; waiting "
+                        "for them (up to join_timeout_s=%g s). If they are gone, start the "
+                        "job under a new id (from its checkpoint)",
+                        self.job_id,
+                        self.endpoint,
+                        timeout_s,
+                    )
+                next_look = now + _RECORD_POLL_S
+            if now > deadline:
+                raise RendezvousTimeoutError(
+                    f"no answer to this worker's request to join within {timeout_s:g} s"
+                )
+            time.sleep(_KNOCK_POLL_S)
+        return dict(json.loads(job.get(key)))
 
     def _await_reachable_members(self, deadline: float) -> bool:
         """Waits until this worker reaches every member of the running set (Note
@@ -726,47 +766,57 @@ class Rendezvous:
             time.sleep(1.0)
 
     def pending(self, room: int) -> list[int]:
-        """The tickets of workers that knocked, were not answered yet and still beat
-        (Note [Knockers beat too]), oldest first, at most ``room``."""
+        """The tickets of workers that knocked and were not answered yet, oldest first,
+        at most ``room`` (read now)."""
         answered, knocks = _tickets(self.job_store)
-        live = [t for t in range(answered + 1, knocks + 1) if not self._knocker_gone(t)]
-        return live[: max(room, 0)]
-
-    def _knocker_gone(self, ticket: int) -> bool:
-        seen = self._knock_beats.get(ticket)
-        return seen is not None and time.monotonic() - seen[1] >= GONE_AFTER_S
-
-    def _watch_knockers(self, answered: int, knocks: int) -> int:
-        """Reads the beats of the unanswered tickets' knockers (the poller); returns how
-        many of them still beat."""
-        now = time.monotonic()
-        watched = range(answered + 1, min(knocks, answered + _TICKETS_WATCHED) + 1)
-        beats = {t: int(self._poll_job.add(_knock_beat_key(t), 0)) for t in watched}
-        # Replaced whole: the main thread reads it without the lock.
-        self._knock_beats = {
-            t: seen if (seen := self._knock_beats.get(t)) and seen[0] == beat else (beat, now)
-            for t, beat in beats.items()
-        }
-        return knocks - answered - sum(self._knocker_gone(t) for t in watched)
+        return list(range(answered + 1, knocks + 1))[: max(room, 0)]
 
     def wait_list(self) -> int:
-        """Workers on the rendezvous' wait list, as the poller last saw them."""
-        return self._wait_list
+        """Workers on the rendezvous' wait list: as the poller last saw them on the
+        member that watches (Note [One member watches the door]), read now on the
+        others."""
+        if self._watching:
+            return self._wait_list
+        with self._lock:
+            return self._handler.num_nodes_waiting()
 
-    def answer(self, tickets: list[int], answers: list[dict[str, Any]]) -> None:
-        """Writes the members' answer to each ticket (every member writes the same)."""
+    def offer(self, tickets: list[int], acks: str, *, write: bool) -> None:
+        """Note [Knockers acknowledge]: offers each of ``tickets`` a place, to be
+        acknowledged under ``acks``, and counts them answered (``write``: the member
+        whose view the set adopted; on the others this only forgets them)."""
         self._waiting = 0  # they are answered: not waiting any more
+        if not write:
+            return
         job = self.job_store
-        for ticket, answer in zip(tickets, answers, strict=True):
-            job.set(f"admit/{ticket}", json.dumps(answer))
+        job.append(acks, "")  # exists from now on: read without waiting for it
+        job.multi_set([f"admit/{t}" for t in tickets], [json.dumps({"acks": acks})] * len(tickets))
+        # Raised to the highest with compare-and-set: the members write at the same time.
         top = max(tickets)
-        for ticket in range(int(job.add(_ANSWERED, 0)) + 1, top):
-            if ticket not in tickets:  # judged gone: should it still live, it knocks again
-                job.set(f"admit/{ticket}", json.dumps({"again": True}))
-        # Raised to ``top`` with compare-and-set: the members write at the same time.
         answered = int(job.add(_ANSWERED, 0))
         while answered < top:
             answered = int(job.compare_set(_ANSWERED, str(answered), str(top)))
+
+    def acknowledged(self, acks: str, tickets: list[int], poll_s: float) -> list[int]:
+        """The ``tickets`` acknowledged under ``acks`` once all of them are, or when
+        _ACK_S has passed (Note [Knockers acknowledge]), in the order of ``tickets``;
+        it looks every ``poll_s``. Until the member that offers has written the key,
+        nothing is acknowledged."""
+        job = self.job_store
+        deadline = time.monotonic() + _ACK_S
+        while True:
+            said = set()
+            if job.check([acks]):
+                said = {int(t) for t in job.get(acks).decode().split(",") if t}
+            if said.issuperset(tickets) or time.monotonic() > deadline:
+                return [t for t in tickets if t in said]
+            time.sleep(poll_s)
+
+    def answer(self, tickets: list[int], answers: list[dict[str, Any]]) -> None:
+        """Writes the members' final answer to each offered ticket (every member writes
+        the same)."""
+        self.job_store.multi_set(
+            [f"admit/{t}/in" for t in tickets], [json.dumps(a) for a in answers]
+        )
 
     # ---- what the poller saw ---------------------------------------------------------
 
@@ -781,7 +831,13 @@ class Rendezvous:
         if rnd is None:
             raise RuntimeError("beats() outside a round")
         store = self._main_store
-        return {r: int(store.add(_beat_key(rnd, r), 0)) for r in ranks}
+        keys = [_beat_key(rnd, r) for r in ranks]
+        # One request for all (Note [An agreement's requests], vflow/elastic/agreement.py);
+        # a key missing (a store that restarted and a worker that never beat on it)
+        # would make multi_get wait, so then each is read with add, which makes it.
+        if keys and store.check(keys):
+            return {r: int(v) for r, v in zip(ranks, store.multi_get(keys), strict=True)}
+        return {r: int(store.add(key, 0)) for r, key in zip(ranks, keys, strict=True)}
 
     def evicted(self) -> bool:
         """Whether the rendezvous dropped this worker from its round (its heartbeats
@@ -854,18 +910,65 @@ class Rendezvous:
                     self._waiting = 0
                     self._lost(e)
 
+    def watch(self, door: bool) -> None:
+        """Whether this worker's poller watches for workers that wait to join (Note [One
+        member watches the door]): the lowest member of its worker set does."""
+        self._watching = door
+        if not door:
+            self._waiting = self._wait_list = 0
+
     def _poll_once(self, rnd: Round) -> None:
         self._poll_store.add(_beat_key(rnd, rnd.rank), 1)
-        knocking = self._watch_knockers(*self._poll_tickets())
-        # num_nodes_waiting syncs the handler's state.
-        self._wait_list = self._handler.num_nodes_waiting()
-        self._waiting = self._wait_list + knocking
+        now = time.monotonic()
+        if self._watching and now >= self._next_door_look:
+            self._next_door_look = now + _DOOR_POLL_S
+            knocking = self._knocking(*self._poll_tickets())
+            # num_nodes_waiting syncs the handler's state (at most once a second).
+            self._wait_list = self._handler.num_nodes_waiting()
+            self._waiting = self._wait_list + knocking
         state = self._handler._state_holder.state
         self._evicted = not self._adopted and self._handler._this_node not in state.participants
-        now = time.monotonic()
         if now >= self._next_record_look:
             self._next_record_look = now + _RECORD_POLL_S
             self._look_at_record()
+
+    # Note [One member watches the door]
+    # A member learns of workers waiting to join only to set WAITING in its step's signal
+    # word, and the words travel in the step's statistics to every member: one member
+    # seeing them is enough. So only the set's lowest member (``watch``, called at every
+    # change of the set) reads the ticket counters and the rendezvous' wait list; the
+    # others' pollers only beat. Should it die, the set that recovers has another lowest
+    # member. A member's steady requests to the store are then its beat every _POLL_S,
+    # its look at the job's record every _RECORD_POLL_S and, for a participant of the
+    # rendezvous' round, the handler's keep-alive every keep_alive_s (two
+    # compare-and-sets: torch's c10d backend reads the state with one): 10 + 1 + 4 a
+    # second with the defaults, whatever N; the watching member adds a read of the
+    # knocks counter every _DOOR_POLL_S (4 a second; the wait list's read shares the
+    # keep-alive's), 19 in all (benchmarks/store_load.py counts them).
+    #
+    # Note [A window for joiners]
+    # Joiners started together knock over a few seconds (each builds its executor
+    # first: Note [Joining ahead], vflow/elastic/job.py). Each grow costs the members a
+    # stall, so the watching member reports them only once no new ticket was taken for
+    # the last call (``last_call_s``, the rendezvous' window for the same purpose), or
+    # once the oldest has waited 5 x that: joiners arriving within one window come in
+    # by one grow.
+    def _knocking(self, answered: int, knocks: int) -> int:
+        """How many tickets wait for an answer, once they are due (Note [A window for
+        joiners]); 0 before."""
+        now = time.monotonic()
+        if knocks <= answered:
+            self._unanswered_since = 0.0
+            return 0
+        if knocks != self._knocks_seen:
+            self._knocks_seen, self._knock_since = knocks, now
+        if not self._unanswered_since:
+            self._unanswered_since = now
+        window = self._handler_options["timeout"].last_call.total_seconds()
+        quiet = now - self._knock_since >= window
+        if quiet or now - self._unanswered_since >= 5 * window:
+            return knocks - answered
+        return 0
 
     # Note [Reading the tickets]
     # Every poll of every member reads the ticket counters, so their reads are most of a
@@ -894,7 +997,3 @@ def _beat_key(rnd: Round, rank: int) -> str:
 
 def _probe_key(rnd: Round, rank: int) -> str:
     return f"{rnd.prefix}/probe/{rank}"
-
-
-def _knock_beat_key(ticket: int) -> str:
-    return f"knock/{ticket}/beat"

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+from collections import Counter
 from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["connect_store", "format_endpoint", "host_store"]
+__all__ = ["CountingStore", "RequestCounts", "connect_store", "format_endpoint", "host_store"]
 
 
 def host_store(host: str, port: int, *, timeout: timedelta) -> dist.TCPStore:
@@ -133,7 +135,11 @@ def _bound_silence(fd: int, addresses: set[str], port: int, silence_s: float) ->
     except OSError:
         return  # not a socket, or closed since
     try:
-        if sock.type != socket.SOCK_STREAM:
+        # Unix sockets (a multiprocessing pipe, say) have no address and port.
+        if sock.type != socket.SOCK_STREAM or sock.family not in (
+            socket.AF_INET,
+            socket.AF_INET6,
+        ):
             return
         peer = sock.getpeername()
         if peer[1] != port or _plain(peer[0]) not in addresses:
@@ -151,3 +157,105 @@ def _bound_silence(fd: int, addresses: set[str], port: int, silence_s: float) ->
         pass  # not connected, or not TCP
     finally:
         sock.detach()  # the store owns the descriptor
+
+
+# Note [Counting requests to the store]
+# Issue 35 bounds every worker's requests to the rendezvous store (a single process that
+# serves the whole job). What is counted is what vflow's protocols send: ``CountingStore``
+# wraps a client and counts each call as one request (``multi_get`` and ``multi_set`` are
+# one request however many keys they carry: one round trip, as the TCPStore sends them).
+# The tests, the benchmarks and the protocol simulator read the counts; production runs
+# without the wrapper. Process groups are built on the client itself: Gloo cannot use a
+# Python store under a PrefixStore (torch's trampoline does not forward ``clone``), and
+# a group's creation is the backend's traffic, not the protocol's.
+
+
+class RequestCounts:
+    """Requests sent through ``CountingStore`` wrappers, by the wrapper's name and
+    operation; thread-safe (a worker's poller and main thread share one)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[tuple[str, str]] = Counter()
+
+    def add(self, name: str, op: str) -> None:
+        with self._lock:
+            self._counts[(name, op)] += 1
+
+    def total(self, name: str | None = None) -> int:
+        """All requests, or those of the wrapper ``name``."""
+        with self._lock:
+            return sum(n for (who, _), n in self._counts.items() if name in (None, who))
+
+    def snapshot(self) -> dict[str, int]:
+        """``{"name.op": count}``, for reports."""
+        with self._lock:
+            return {f"{who}.{op}": n for (who, op), n in sorted(self._counts.items())}
+
+
+class CountingStore(dist.Store):
+    """``inner`` with every request counted in ``counts`` under ``name`` (Note
+    [Counting requests to the store]). ``inner`` is the client the requests go to."""
+
+    def __init__(self, inner: dist.Store, counts: RequestCounts, name: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self._counts = counts
+        self._name = name
+
+    def _count(self, op: str) -> None:
+        self._counts.add(self._name, op)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._count("set")
+        self.inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._count("get")
+        return self.inner.get(key)
+
+    def add(self, key: str, value: int) -> int:
+        self._count("add")
+        return self.inner.add(key, value)
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        self._count("compare_set")
+        return self.inner.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        self._count("check")
+        return self.inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._count("wait")
+        if timeout is None:
+            self.inner.wait(keys)
+        else:
+            self.inner.wait(keys, timeout)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._count("multi_get")
+        return self.inner.multi_get(keys)
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self._count("multi_set")
+        self.inner.multi_set(keys, values)
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self._count("append")
+        self.inner.append(key, value)
+
+    def delete_key(self, key: str) -> bool:
+        self._count("delete_key")
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        self._count("num_keys")
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.inner.set_timeout(timeout)
+
+    @property
+    def timeout(self) -> timedelta:
+        return self.inner.timeout
