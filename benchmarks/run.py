@@ -1,5 +1,5 @@
 """The benchmark suite of a source checkout: runs the scripts of this folder (accumulate,
-step, distributed, prefetch, heterogeneous, pipeline, cluster; elastic only when named
+step, distributed, prefetch, heterogeneous, pipeline, cluster, store_load; elastic only when named
 with ``--only``) one after another and sums up their headline results in one table
 (``make bench``).
 
@@ -126,6 +126,17 @@ BENCHMARKS: dict[str, Benchmark] = {
             # --real, minutes of real jobs, is never run by the suite.
             300,
             1200,
+        ),
+        Benchmark(
+            "store_load",
+            "store_load.py",
+            "the elastic control plane against one store: its capacity, requests per worker, "
+            "a simulated crash's agreement and a knock's admission, N = 8 ... 1,024",
+            False,
+            # The quick run (N = 8 and 64) takes about a minute on 2 cores; the full one
+            # (to N = 1,024) about 15 minutes.
+            300,
+            2400,
         ),
         Benchmark(
             "elastic",

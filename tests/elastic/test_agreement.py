@@ -7,6 +7,7 @@ move onto it, needs process groups and executors: tests/elastic/test_job.py runs
 from __future__ import annotations
 
 import json
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -15,10 +16,20 @@ import pytest
 import torch.distributed as dist
 
 from tests.support.rendezvous import local_store, until
-from vflow.elastic.agreement import LeftOut, Recovery, _said, _say, connected
+from vflow.elastic.agreement import (
+    LeftOut,
+    Recovery,
+    _put,
+    _Reader,
+    _said,
+    _say,
+    _watched,
+    connected,
+)
 from vflow.elastic.groups import Groups, WorkerSet
 from vflow.elastic.rendezvous import GONE_AFTER_S
 from vflow.elastic.reporting import Reporter
+from vflow.world import network
 from vflow.world.store import RequestCounts
 
 JOB = "agreement"
@@ -48,10 +59,12 @@ def _recovery(timeout_s: float, gone_after_s: float = GONE_AFTER_S) -> Recovery:
 
 def _rows(store: dist.Store, step: str) -> dict[Any, Any]:
     """The answers of the first agreement's ``step`` ("alive", "reach"), by rank: one
-    line each in one key (Note [An agreement's requests]), and under "gone" the ranks
+    numbered key each (Note [An agreement's requests]), and under "gone" the ranks
     found gone (Note [A verdict said once])."""
     rows: dict[Any, Any] = {"gone": set()}
-    for first, second in map(json.loads, store.get(f"{KEYS}/{step}").decode().splitlines()):
+    key = f"{KEYS}/{step}"
+    for n in range(1, int(store.add(f"{key}/n", 0)) + 1):
+        first, second = json.loads(store.get(f"{key}/{n}"))
         if first == "gone":
             rows["gone"].add(second)
         else:
@@ -79,9 +92,11 @@ def test_survivors_agree_without_a_member_that_dies_during_the_agreement() -> No
         assert json.loads(store.get(f"{KEYS}/decision")) == [0, 1]
         alive = _rows(store, "alive")
         assert sorted(r for r in alive if r != "gone") == [0, 1, 2]  # 3 never answered
-        assert alive["gone"] == {3}  # said by whoever found it first, taken by the other
+        # 2 answered, then died: 1 found it gone and watched 3 past it (Note [Each silent
+        # worker watched once]); 3 found gone by one, taken by the other.
+        assert alive["gone"] == {2, 3}
         reach = _rows(store, "reach")
-        assert reach[0] == [0, 1] and reach[1] == [1, 0] and 2 not in reach
+        assert reach[0] == reach[1] == [2] and 2 not in reach  # each missed 2, dead
         assert reach["gone"] == {2}
         with pytest.raises(LeftOut):
             _recovery(30.0).agree(handles[2], sets[2], ())
@@ -122,10 +137,11 @@ def test_survivors_agree_on_a_set_whose_every_pair_reaches_each_other() -> None:
 
 
 def test_a_survivors_requests_per_poll_do_not_grow_with_the_set() -> None:
-    """Note [An agreement's requests]: reading every answer of a step is one request,
-    and the beats of every worker still waited for one more after a check, for a set
-    of 3 as for a set of 40; a beat key the store lost (a restart) is made, not waited
-    for."""
+    """Note [An agreement's requests]: a poll reads the answers' counter, and when it
+    moved the answers not read yet in one request after a check; the beats of the
+    workers watched are one request after a check: for a set of 3 as for a set of 40.
+    A beat key the store lost (a restart) is made, not waited for. An answer counted
+    but not written (its writer between its two requests) is read once it is."""
     with local_store(JOB) as (_store, worker):
         counts = RequestCounts()
         me = worker(counts)
@@ -135,9 +151,13 @@ def test_a_survivors_requests_per_poll_do_not_grow_with_the_set() -> None:
             key = f"vflow/size{size}/alive"
             for r in ranks:
                 _say(rnd.store, key, r, f"127.0.0.1:{r + 1}")
+            reader = _Reader(rnd.store, key, ranks)
             before = counts.total("main")
-            said, gone = _said(rnd.store, key, ranks)
-            assert sorted(said) == ranks and not gone and counts.total("main") - before == 1
+            said, gone = reader.read()
+            assert sorted(said) == ranks and not gone
+            assert counts.total("main") - before == 3  # counter, check, multi_get
+            before = counts.total("main")
+            assert reader.read()[0] == said and counts.total("main") - before == 1
             for r in ranks:
                 rnd.store.set(f"beat/{r}", str(r + 1))
             before = counts.total("main")
@@ -146,6 +166,29 @@ def test_a_survivors_requests_per_poll_do_not_grow_with_the_set() -> None:
         before = counts.total("main")
         assert me.beats([1000]) == {1000: 0}  # never beat: made at 0, not waited for
         assert counts.total("main") - before == 2  # check + add
+        key = "vflow/half-written/alive"
+        _say(rnd.store, key, 0, "a")
+        rnd.store.add(f"{key}/n", 1)  # 1 counted its answer, and has not written it yet
+        _say(rnd.store, key, 2, "c")
+        reader = _Reader(rnd.store, key, [0, 1, 2])
+        assert sorted(reader.read()[0]) == [0, 2]
+        rnd.store.set(f"{key}/2", json.dumps([1, "b"]))
+        assert sorted(reader.read()[0]) == [0, 1, 2]
+
+
+def test_each_silent_worker_is_watched_by_the_survivor_before_it() -> None:
+    """Note [Each silent worker watched once]: a survivor watches the workers after it
+    in the set's order up to the next survivor, and that one; past a survivor found
+    gone; around the ring."""
+    order = [0, 1, 2, 3, 4, 5]
+    said = {0: "", 3: "", 4: ""}
+    pending = [1, 2, 5]
+    assert _watched(order, 0, said, set(), pending) == [1, 2, 3]
+    assert _watched(order, 3, said, set(), pending) == [4]
+    assert _watched(order, 4, said, set(), pending) == [5, 0]
+    assert _watched(order, 0, said, {3}, pending) == [1, 2, 4]  # 3 answered, then died
+    assert _watched(order, 0, {0: ""}, set(), [1, 2, 3, 4, 5]) == [1, 2, 3, 4, 5]
+    assert _watched([2, 0, 1], 1, {1: "", 0: ""}, set(), [2]) == [2, 0]  # the set's order
 
 
 def test_a_survivor_takes_an_earlier_survivors_verdict_that_a_worker_is_gone() -> None:
@@ -153,9 +196,10 @@ def test_a_survivor_takes_an_earlier_survivors_verdict_that_a_worker_is_gone() -
     under the answers' key; a survivor arriving later takes its word at once instead of
     watching the beats for gone_after_s itself."""
     with local_store(JOB) as (_store, worker):
-        me = worker()
+        me, other = worker(), worker()
         rnd = me.adopt(ROUND, 0, 0)
-        workers = WorkerSet(rnd, [0, 1, 2])
+        other.adopt(ROUND, 0, 1)  # beats: a survivor that answered
+        workers = WorkerSet(rnd, [0, 2, 1])  # 0 watches 2 (and 1, the next survivor)
         first, second = "vflow/first/alive", "vflow/second/alive"
         for key in (first, second):
             _say(rnd.store, key, 0, "a")
@@ -166,7 +210,42 @@ def test_a_survivor_takes_an_earlier_survivors_verdict_that_a_worker_is_gone() -
         assert sorted(looked) == [0, 1] and time.monotonic() - start >= 0.5
         assert _said(rnd.store, first, [0, 1, 2])[1] == {2}
         # A later survivor with a long verdict time takes the word already said.
-        rnd.store.append(second, json.dumps(["gone", 2]) + "\n")
+        _put(rnd.store, second, ["gone", 2])
         start = time.monotonic()
         taken = _recovery(30.0, gone_after_s=20.0)._answers(me, workers, second, [0, 1, 2])
         assert sorted(taken) == [0, 1] and time.monotonic() - start < 5.0
+
+
+def test_a_dead_workers_refusing_probe_is_a_verdict_and_a_silent_one_waits_gone_after_s() -> None:
+    """Note [Beats]: a worker whose beats stood still for SUSPECT_S and whose probe
+    refuses connections is dead, and found gone without waiting gone_after_s; one whose
+    probe still accepts (a stopped process, a host behind a slow link) is gone only once
+    its beats stood still for gone_after_s."""
+    with local_store(JOB) as (_store, worker):
+        me, other = worker(), worker()
+        rnd = me.adopt(ROUND, 0, 0)
+        other.adopt(ROUND, 0, 1)  # beats: a survivor that answered
+        workers = WorkerSet(rnd, [0, 2, 1])  # 0 watches 2 (and 1, the next survivor)
+        dead = socket.socket()
+        dead.bind(("127.0.0.1", 0))
+        dead_port = dead.getsockname()[1]
+        dead.close()  # nothing listens there: a refusal, as from a killed worker's probe
+        silent = network.ProbeListener("127.0.0.1")  # accepts, never beats
+        try:
+            first, second = "vflow/first/alive", "vflow/second/alive"
+            for key in (first, second):
+                _say(rnd.store, key, 0, me.probe_endpoint)
+                _say(rnd.store, key, 1, other.probe_endpoint)
+            # Without the refusal, 2 would be waited for until the 60 s timeout and never
+            # said gone: gone_after_s is out of reach.
+            rnd.store.set("probe/2", f"127.0.0.1:{dead_port}")
+            looked = _recovery(60.0, gone_after_s=1e6)._answers(me, workers, first, [0, 1, 2])
+            assert sorted(looked) == [0, 1]
+            assert _said(rnd.store, first, [0, 1, 2])[1] == {2}
+            rnd.store.set("probe/2", silent.endpoint)
+            start = time.monotonic()
+            looked = _recovery(60.0, gone_after_s=1.0)._answers(me, workers, second, [0, 1, 2])
+            assert sorted(looked) == [0, 1] and time.monotonic() - start >= 1.0
+            assert _said(rnd.store, second, [0, 1, 2])[1] == {2}
+        finally:
+            silent.close()

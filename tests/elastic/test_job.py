@@ -29,6 +29,7 @@ from tests.support.rendezvous import store_process
 from vflow.data import VNBatchSampler
 from vflow.elastic import ElasticJob
 from vflow.mapping.plan import Plan
+from vflow.runtime.executor import Executor
 
 WORKER = Path(elastic_worker.__file__)
 STEPS = 80
@@ -550,6 +551,9 @@ def test_a_crash_with_four_workers_is_recovered_within_the_round(job: Job) -> No
         before = events[events.index(crash) - 1]
         assert (crash["round"], crash["workers"]) == (before["round"], 3), events
         assert crash["seconds"] < 5.0, events
+        # The agreement is part of the recovery; other events have none.
+        assert 0 < crash["agreed_s"] < crash["seconds"], events
+        assert all(e["agreed_s"] is None for e in events if e is not crash), events
 
 
 def test_the_store_lost_trains_on_then_a_recovery_saves_the_state_and_says_so(
@@ -746,7 +750,11 @@ def test_an_nccl_job_keeps_the_watchdog_from_killing_survivors_and_says_it_is_un
         ({"job_id": ""}, "job_id must be a non-empty string"),
         ({"min_workers": 0}, "min_workers must be an int >= 1"),
         ({"min_workers": 3, "max_workers": 2}, "max_workers must be >= min_workers"),
+        ({"max_workers": 0}, "max_workers must be an int >= 1"),
         ({"timeout_s": 0}, "timeout_s must be a finite number > 0"),
+        ({"group_timeout_s": 0}, "group_timeout_s must be a finite number > 0"),
+        ({"join_deadline_s": -1.0}, "join_deadline_s must be a finite number > 0"),
+        ({"gone_after_s": float("inf")}, "gone_after_s must be a finite number > 0"),
         ({"keep_alive_s": float("nan")}, "keep_alive_s must be a finite number > 0"),
         ({"last_call_s": -1}, "last_call_s must be a finite number >= 0"),
         ({"keep_alive_s": 0.25}, r"keep_alive_s \* keep_alive_attempts must be >= 2 s"),
@@ -757,6 +765,22 @@ def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], message: str) -
     args = {"rendezvous": "127.0.0.1:1", "job_id": "j", **kwargs}
     with pytest.raises((ValueError, TypeError), match=message):
         ElasticJob(args.pop("rendezvous"), args.pop("job_id"), **args)
+
+
+def test_max_workers_defaults_to_v_and_is_checked_before_connecting() -> None:
+    """max_workers=None is the executor's V, known once make_executor has run: below
+    min_workers it is an error naming both, before the (unreachable) store is tried."""
+    job = ElasticJob("127.0.0.1:1", "j", min_workers=5, store_timeout_s=1.0)
+
+    def make_executor(group: dist.ProcessGroup, timeout_s: float) -> Executor:
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return Executor(
+            model, optimizer, lambda m, b: m(b).sum(), 4, process_group=group, timeout=timeout_s
+        )
+
+    with pytest.raises(ValueError, match="max_workers defaults to V=4, below min_workers=5"):
+        job.run(make_executor, lambda ex, s: ex.step(torch.ones(4, 2)), 1)
 
 
 def test_run_checks_its_arguments_before_connecting() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -40,6 +41,35 @@ def test_a_probe_answers_while_it_listens_and_not_after() -> None:
         listener.close()
     assert network.reachable([listener.endpoint]) == [False]
     assert network.reachable([]) == []
+
+
+def test_a_refusal_says_the_process_is_gone_and_a_stopped_one_does_not_refuse() -> None:
+    """Note [Probing a peer]: a probe whose process is gone refuses at once; a listening
+    probe, and one whose process is stopped (the kernel still completes connections
+    into its backlog), do not."""
+    listener = network.ProbeListener("127.0.0.1")
+    stopped = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import socket, time\n"
+            "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(8)\n"
+            "print(s.getsockname()[1], flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert stopped.stdout is not None
+        port = int(stopped.stdout.readline())
+        os.kill(stopped.pid, signal.SIGSTOP)
+        assert network.refused([listener.endpoint, f"127.0.0.1:{port}"]) == [False, False]
+    finally:
+        listener.close()
+        stopped.kill()
+        stopped.wait(timeout=30)
+    assert network.refused([listener.endpoint, f"127.0.0.1:{port}"]) == [True, True]
+    assert network.refused([]) == []
 
 
 _ON_A_HOST = r"""
@@ -108,11 +138,20 @@ print(json.dumps([connects(e) for e in sys.argv[1:]]))
 """
 
 
+# vflow.world.network.refused, from a host.
+_REFUSED_FROM_A_HOST = r"""
+import json, sys
+from vflow.world import network
+print(json.dumps(network.refused(sys.argv[1:])))
+"""
+
+
 @needs_hosts
 @pytest.mark.skipif(bool(hosts.missing_tools("nft")), reason="multi-host tests: needs nft")
 def test_partitions_of_the_test_hosts_cut_exactly_the_pairs_asked() -> None:
     """The fixture's partitions (tests/support/hosts.py), seen by the probes: a cut
-    between a and b leaves both reaching c; one way (a's packets to b dropped) cuts a
+    between a and b leaves both reaching c, and b's silence is no refusal (c's port
+    without a listener is); one way (a's packets to b dropped) cuts a
     TCP connection in both directions (its handshake needs both); healed, all reach all."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     with hosts.Hosts(3) as machines:
@@ -145,6 +184,14 @@ def test_partitions_of_the_test_hosts_cut_exactly_the_pairs_asked() -> None:
 
         machines.partition("a", "b")
         assert reach("a") == {"b": False, "c": True} and reach("b") == {"a": False, "c": True}
+        # Silence is not a refusal: a partitioned peer is never taken for a dead one.
+        refused = subprocess.run(
+            machines.command("a", [sys.executable, "-c", _REFUSED_FROM_A_HOST,
+                                   f"{machines.address('b')}:7000",
+                                   f"{machines.address('c')}:7001"]),
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert json.loads(refused.stdout) == [False, True], refused.stderr
         machines.heal("a", "b")
         machines.partition("a", "b", one_way=True)
         assert reach("a") == {"b": False, "c": True} and reach("b") == {"a": False, "c": True}

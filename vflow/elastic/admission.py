@@ -90,8 +90,8 @@ class Admission:
     a member (``admit``), and the move of every worker onto a new set (``join_set``).
     ``groups`` makes the sets' groups, ``recovery`` re-forms a set that broke while it
     formed, ``report`` names a lost store or gives up. The job's ``job_id``,
-    ``max_workers``, ``join_timeout_s``, ``timeout_s`` (the join deadline) and
-    ``max_recoveries`` bound it and go into its errors."""
+    ``max_workers``, ``join_timeout_s`` and ``max_recoveries`` bound it and go into its
+    errors; ``groups`` holds the join deadline."""
 
     def __init__(
         self,
@@ -102,7 +102,6 @@ class Admission:
         job_id: str,
         max_workers: int,
         join_timeout_s: float,
-        timeout_s: float,
         max_recoveries: int,
     ) -> None:
         self.groups = groups
@@ -111,7 +110,6 @@ class Admission:
         self.job_id = job_id
         self.max_workers = max_workers
         self.join_timeout_s = join_timeout_s
-        self.timeout_s = timeout_s
         self.max_recoveries = max_recoveries
 
     def knock(self, rdzv: Rendezvous, ex: Executor, member: bool) -> tuple[WorkerSet, int] | None:
@@ -204,7 +202,7 @@ class Admission:
                 # A newcomer that died after its answer never connects: the group's
                 # creation times out, a failure like any other while the set forms.
                 if group is None:
-                    group = self.groups.make(rnd, workers.name, workers.ranks)
+                    group = self.groups.make(rnd, workers.name, workers.ranks, bool(newcomers))
                 self.groups.move(ex, group, newcomer=not member)
                 publish(rdzv, ex, workers)
                 break
@@ -228,8 +226,8 @@ class Admission:
             if failed:
                 too_late = JoinRefused(
                     f"job {self.job_id!r}: this worker did not join the worker set within the "
-                    f"join deadline (timeout_s={self.timeout_s:g} s); the members went on "
-                    "without it"
+                    f"join deadline ({self.groups.deadline_words(len(workers.ranks))}); the "
+                    "members went on without it"
                 )
                 try:
                     recovered = self.recovery.recover(rdzv, workers, ex, newcomers)

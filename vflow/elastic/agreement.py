@@ -14,8 +14,9 @@ and so on, until every survivor has seen the failure. Then, in the round's store
 
 1. each survivor appends its rank and where it answers probes to ``recover<G>/alive``
    (G: how many worker sets the round has had, the same on all members);
-2. it waits until every other worker of the set has either answered or stopped
-   beating (Note [Beats], vflow/elastic/rendezvous.py), up to ``timeout_s``;
+2. it waits until every other worker of the set has either answered or is gone (its
+   probe refuses connections, or its beats stopped for ``gone_after_s``: Note [Beats],
+   vflow/elastic/rendezvous.py), up to ``timeout_s``;
    newcomers of a set that was forming are not waited for;
 3. it probes every other survivor (Note [Probing a peer], vflow/world/network.py) and
    appends whom it reached to ``recover<G>/reach``, then waits for the others' rows
@@ -39,13 +40,19 @@ call. Probing costs a round trip per pair when all is well, and the probe's time
 (0.5 s) when a pair is cut.
 
 Note [An agreement's requests]
-Every answer of a step goes into one key (``append``), so a survivor waiting on the
-others reads one key per poll, and the beats of those it still waits for with one
-``multi_get`` (Rendezvous.beats): three requests a poll whatever N, where reading a key
-per worker made an agreement's requests grow with N². The poll's period grows with the
-set beyond _SET_POLLS_PER_S / POLL_S workers (50), so that a whole set's polls stay
-at _SET_POLLS_PER_S a second (7,500 requests a second to the store at most, however
-many workers; the simulator measures what the store serves: benchmarks/store_load.py),
+The answers of a step (``alive``, ``reach``) are numbered: a worker adds 1 to the
+step's counter and writes its answer under the number it got (``_put``). A survivor
+waiting on the others reads the counter each poll and, when it moved, the answers it
+has not read yet, with one ``multi_get`` (``_Reader``); then the beats of the workers
+it watches (Note [Each silent worker watched once]), one ``check`` and one
+``multi_get`` (Rendezvous.beats). So a poll is two requests when nothing changed and
+four when it did, whatever N, and over an agreement a survivor reads each answer
+once: N answers each, where re-reading one key of every answer would move N^2 bytes a
+poll through the store at a thousand workers. A row of ``reach`` names the survivors
+missed (empty when all is well), not those reached. The poll's period grows with the
+set beyond _SET_POLLS_PER_S / POLL_S workers (50), so that a whole set's polls stay at
+_SET_POLLS_PER_S a second (5,000-10,000 requests a second to the store at most,
+however many workers; benchmarks/store_load.py measures what the store serves here),
 at the cost of a longer agreement in sets that large.
 
 Fewer than ``min_workers`` after a failure: the members wait up to ``join_timeout_s``
@@ -64,7 +71,7 @@ from typing import Any
 import torch.distributed as dist
 
 from vflow.elastic.groups import Groups, WorkerSet, publish
-from vflow.elastic.rendezvous import GONE_AFTER_S, Rendezvous
+from vflow.elastic.rendezvous import GONE_AFTER_S, SUSPECT_S, Rendezvous
 from vflow.elastic.reporting import Reporter
 from vflow.runtime.executor import Executor
 from vflow.world import network
@@ -91,8 +98,8 @@ class Recovery:
     """Note [Recovering within the round], one worker's part: ``groups`` makes the new
     set's group, ``report`` names a lost store; every wait on the others is bounded by
     ``timeout_s``, and at most ``max_recoveries`` agreements in a row are tried; a
-    worker whose beats stood still for ``gone_after_s`` is gone (Note [Beats],
-    vflow/elastic/rendezvous.py)."""
+    worker whose probe refuses, or whose beats stood still for ``gone_after_s``, is gone
+    (Note [Beats], vflow/elastic/rendezvous.py)."""
 
     def __init__(
         self,
@@ -103,15 +110,19 @@ class Recovery:
         max_recoveries: int,
         gone_after_s: float = GONE_AFTER_S,
         reachable: Callable[[list[str]], list[bool]] = network.reachable,
+        refused: Callable[[list[str]], list[bool]] = network.refused,
     ) -> None:
         self.groups = groups
         self.report = report
         self.timeout_s = timeout_s
         self.max_recoveries = max_recoveries
         self.gone_after_s = gone_after_s
-        # Which probe endpoints this worker reaches (Note [Probing a peer]); the protocol
-        # simulator (benchmarks/store_load.py) stands in for it.
+        # Which probe endpoints this worker reaches, and which refuse (Note [Probing a
+        # peer]); the protocol simulator (benchmarks/store_load.py) stands in for the
+        # first.
         self.reachable = reachable
+        self.refused = refused
+        self.agreed_at: float | None = None  # time.monotonic() of the last decision
 
     def recover(
         self, rdzv: Rendezvous, workers: WorkerSet, ex: Executor, newcomers: tuple[int, ...]
@@ -168,6 +179,7 @@ class Recovery:
         reach = self._reach(rdzv, workers, prefix, {r: str(alive[r]) for r in survivors})
         proposal = connected([r for r in workers.ranks if r in reach], reach)
         decided = json.loads(store.compare_set(f"{prefix}/decision", "", json.dumps(proposal)))
+        self.agreed_at = time.monotonic()
         if rnd.rank not in decided:
             raise LeftOut
         return workers.successor(decided)
@@ -176,29 +188,67 @@ class Recovery:
         self, rdzv: Rendezvous, workers: WorkerSet, key: str, waited_for: list[int]
     ) -> dict[int, Any]:
         """What the workers of ``workers`` said under ``key`` (``_say``), once every
-        worker of ``waited_for`` has either said or is gone (its beats stopped: Note
-        [Beats], vflow/elastic/rendezvous.py), within ``timeout_s``. Others (newcomers)
-        are not waited for: one that has not answered when the others are settled is
-        left out (a slow joiner never stalls the job)."""
+        worker of ``waited_for`` has either said or is gone (its probe refuses, or its
+        beats stopped: Note [Beats], vflow/elastic/rendezvous.py), within ``timeout_s``.
+        Others (newcomers) are not waited for: one that has not answered when the others
+        are settled is left out (a slow joiner never stalls the job)."""
         store = workers.round.store
         poll = set_poll_s(len(workers.ranks))
         deadline = time.monotonic() + self.timeout_s
+        reader = _Reader(store, key, workers.ranks)
         last: dict[int, tuple[int, float]] = {}
+        probed: dict[int, float] = {}
+        version = -1
         while True:
-            said, gone = _said(store, key, workers.ranks)
-            pending = [r for r in waited_for if r not in said and r not in gone]
+            said, gone = reader.read()
+            if reader.version != version:  # O(N) work only when an answer came
+                version = reader.version
+                pending = [r for r in waited_for if r not in said and r not in gone]
+                # Note [Each silent worker watched once]
+                watched = _watched(workers.ranks, workers.round.rank, said, gone, pending)
             now = time.monotonic()
             if pending:
-                for r, beat in rdzv.beats(pending).items():
+                for r, beat in rdzv.beats(watched).items():
                     if r not in last or last[r][0] != beat:
                         last[r] = (beat, now)
-                found = [r for r in pending if now - last[r][1] >= self.gone_after_s]
+                found = [r for r in watched if now - last[r][1] >= self.gone_after_s]
+                found += self._refusing(rdzv, watched, last, probed, now, found)
                 for r in found:  # Note [A verdict said once]
-                    store.append(key, json.dumps([_GONE, r]) + "\n")
-                pending = [r for r in pending if r not in found]
+                    _put(store, key, [_GONE, r])
+                if found:
+                    version = -1  # the next read has them
+                    if all(r in found for r in pending):
+                        return said
             if not pending or now > deadline:
                 return said
             time.sleep(poll)
+
+    def _refusing(
+        self,
+        rdzv: Rendezvous,
+        pending: list[int],
+        last: dict[int, tuple[int, float]],
+        probed: dict[int, float],
+        now: float,
+        found: list[int],
+    ) -> list[int]:
+        """The workers of ``pending`` (those this worker watches) whose beats stood
+        still for SUSPECT_S and whose probe refuses (Note [Beats]): dead. Each is asked
+        at most once per SUSPECT_S (``probed``: when it was last asked)."""
+        suspects = [
+            r
+            for r in pending
+            if r not in found
+            and now - last[r][1] >= SUSPECT_S
+            and now - probed.get(r, -SUSPECT_S) >= SUSPECT_S
+        ]
+        if not suspects:
+            return []
+        probed.update((r, now) for r in suspects)
+        endpoints = rdzv.probes(suspects)
+        asked = [r for r in suspects if r in endpoints]
+        answers = self.refused([endpoints[r] for r in asked])
+        return [r for r, dead in zip(asked, answers, strict=True) if dead]
 
     def _reach(
         self, rdzv: Rendezvous, workers: WorkerSet, prefix: str, endpoints: dict[int, str]
@@ -209,10 +259,16 @@ class Recovery:
         me = workers.round.rank
         others = [r for r in endpoints if r != me]
         found = self.reachable([endpoints[r] for r in others])
-        mine = [me] + [r for r, ok in zip(others, found, strict=True) if ok]
-        _say(workers.round.store, f"{prefix}/reach", me, mine)
+        # Whom it missed, not whom it reached: a row is empty when all is well, where a
+        # list of the reached would make the key grow with N^2.
+        _say(
+            workers.round.store,
+            f"{prefix}/reach",
+            me,
+            [r for r, ok in zip(others, found) if not ok],
+        )
         said = self._answers(rdzv, workers, f"{prefix}/reach", list(endpoints))
-        return {r: [int(k) for k in row] for r, row in said.items()}
+        return {r: [k for k in endpoints if k not in row] for r, row in said.items()}
 
 
 def set_poll_s(workers: int) -> float:
@@ -222,25 +278,100 @@ def set_poll_s(workers: int) -> float:
 
 
 def _say(store: dist.Store, key: str, rank: int, value: object) -> None:
-    """Appends ``rank``'s ``value`` to the answers under ``key`` (Note [An agreement's
-    requests]): one line of JSON each."""
-    store.append(key, json.dumps([rank, value]) + "\n")
+    """Adds ``rank``'s ``value`` to the answers under ``key`` (Note [An agreement's
+    requests])."""
+    _put(store, key, [rank, value])
+
+
+def _put(store: dist.Store, key: str, row: list[Any]) -> None:
+    """The next numbered answer under ``key``: its number first, then its text."""
+    number = store.add(f"{key}/n", 1)
+    store.set(f"{key}/{number}", json.dumps(row))
+
+
+class _Reader:
+    """One worker's reading of the answers under a key (Note [An agreement's
+    requests]): each read asks for the count, then for the answers it has not read."""
+
+    def __init__(self, store: dist.Store, key: str, ranks: list[int]) -> None:
+        self.store = store
+        self.key = key
+        self.ranks = set(ranks)
+        self.read_up_to = 0
+        # Answers counted but not yet written: their writers are between their two
+        # requests (or died there, and these stay unwritten).
+        self.unwritten: list[int] = []
+        self.said: dict[int, Any] = {}
+        self.gone: set[int] = set()
+        self.version = 0  # how many times answers came in
+
+    def read(self) -> tuple[dict[int, Any], set[int]]:
+        """The answers of the workers of ``ranks`` so far, and those of them found gone
+        (Note [A verdict said once])."""
+        count = int(self.store.add(f"{self.key}/n", 0))
+        numbers = self.unwritten + list(range(self.read_up_to + 1, count + 1))
+        self.read_up_to = max(self.read_up_to, count)
+        if not numbers:
+            return self.said, self.gone
+        keys = [f"{self.key}/{n}" for n in numbers]
+        # A missing key would make multi_get wait for it: then each is checked.
+        written = (
+            numbers
+            if self.store.check(keys)
+            else [n for n, k in zip(numbers, keys, strict=True) if self.store.check([k])]
+        )
+        self.unwritten = [n for n in numbers if n not in written]
+        if written:
+            self.version += 1
+            for raw in self.store.multi_get([f"{self.key}/{n}" for n in written]):
+                first, second = json.loads(raw)
+                if first == _GONE:
+                    self.gone.add(int(second))
+                elif first in self.ranks:
+                    self.said.setdefault(int(first), second)
+        return self.said, self.gone
 
 
 def _said(store: dist.Store, key: str, ranks: list[int]) -> tuple[dict[int, Any], set[int]]:
-    """The answers under ``key`` of the workers of ``ranks``, and those of them found
-    gone (Note [A verdict said once]); this worker said its own before it reads, so the
-    key exists."""
-    said: dict[int, Any] = {}
-    gone: set[int] = set()
-    for line in store.get(key).decode().splitlines():
-        first, second = json.loads(line)
-        if first == _GONE:
-            gone.add(int(second))
-        elif first in ranks:
-            said.setdefault(int(first), second)
-    return said, gone
+    """All the answers under ``key`` of the workers of ``ranks``, and those of them
+    found gone."""
+    return _Reader(store, key, ranks).read()
 
+
+def _watched(
+    order: list[int], me: int, said: dict[int, Any], gone: set[int], pending: list[int]
+) -> list[int]:
+    """Note [Each silent worker watched once]: the workers whose beats ``me`` watches:
+    the ``pending`` ones after it in the set's ``order`` (around the ring) up to the
+    next worker that answered and is not gone, and that worker too."""
+    waiting = set(pending)
+    at = order.index(me)
+    watched = []
+    for step in range(1, len(order)):
+        r = order[(at + step) % len(order)]
+        if r in said and r not in gone:
+            watched.append(r)
+            break
+        if r in waiting:
+            watched.append(r)
+    return watched
+
+
+# Note [Each silent worker watched once]
+# A survivor that read the beats of every worker it still waits for would read N of
+# them a poll at first (the survivors arrive over a step), N^2 at the store across the
+# set. Instead each worker watches only the workers after it in the set's order (a
+# ring) up to the next worker that answered, and that one too: every worker that has
+# not answered is watched by the nearest survivor before it that did, and every
+# survivor by the one before it. A worker that answered and then died (or whose poller
+# starved) is found gone by the one before it, whose watch then reaches past it to
+# the workers it watched. Survivors that read the answers at different moments see
+# fewer answers, never more, so their watches overlap rather than leave a gap; a
+# worker changing watchers starts its verdict's clock over, which costs at most one
+# gone_after_s. A verdict on a worker that answered excludes nobody (it answered); it
+# only moves the watch. So the beats read per poll over the whole set are those of the
+# workers waited for plus one per survivor, O(N), where every survivor reading every
+# waited-for worker's beats would read O(N^2).
 
 # Note [A verdict said once]
 # Survivors reach the agreement over as long as a step takes (each fails when it reaches
@@ -249,8 +380,9 @@ def _said(store: dist.Store, key: str, ranks: list[int]) -> tuple[dict[int, Any]
 # for another gone_after_s although the others found it gone long before. So a
 # survivor that finds a worker gone says so under the same key as the answers, and the
 # others take its word: an agreement waits gone_after_s after the first survivor to
-# look, not after the last. A live worker found gone by a survivor (its poller starved)
-# counts as gone for all of them, as it would have for that survivor's decision alone.
+# look, not after the last. A live worker that has not answered, found gone by a
+# survivor (its poller starved), counts as gone for all of them, as it would have for
+# that survivor's decision alone.
 _GONE = "gone"
 
 

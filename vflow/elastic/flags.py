@@ -89,11 +89,31 @@ _OPTIONS: dict[str, tuple[str, Callable[[str], Any], str]] = {
         _count,
         "a round forms once this many workers are there; the job stops below it",
     ),
-    "max_workers": ("--max-workers", _count, "more workers wait for a place (keep it <= V)"),
+    "max_workers": (
+        "--max-workers",
+        _count,
+        "more workers wait for a place (default: V, every worker needs a VN)",
+    ),
     "timeout_s": (
         "--timeout",
         positive_seconds,
         "seconds a collective may take: how long a hung worker stalls the others",
+    ),
+    "group_timeout_s": (
+        "--group-timeout",
+        positive_seconds,
+        "seconds creating a worker set's process group may take (default: grows with the "
+        "set, max(--timeout, N*N/10000))",
+    ),
+    "join_deadline_s": (
+        "--join-deadline",
+        positive_seconds,
+        "seconds the members wait for newcomers to connect (default: the group timeout)",
+    ),
+    "gone_after_s": (
+        "--gone-after",
+        positive_seconds,
+        "seconds of silence after which a worker is gone (a killed one is found sooner)",
     ),
     "join_timeout_s": (
         "--join-timeout",

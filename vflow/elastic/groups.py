@@ -27,7 +27,15 @@ from vflow.runtime.executor import Executor
 from vflow.world import network
 from vflow.world.group import CollectiveError, failure_words
 
-__all__ = ["Groups", "WorkerSet", "choose_interface", "prepare_nccl", "publish"]
+__all__ = [
+    "GROUP_REQUESTS_PER_S",
+    "Groups",
+    "WorkerSet",
+    "choose_interface",
+    "group_bound_s",
+    "prepare_nccl",
+    "publish",
+]
 
 _log = logging.getLogger("vflow")
 
@@ -53,34 +61,86 @@ class WorkerSet:
         return WorkerSet(self.round, list(ranks), self.generation + 1)
 
 
+# Note [Bounds that grow with the set]
+# Creating a Gloo group is a full mesh: every worker writes its address to the round's
+# store and waits for, then reads, every other's, two requests per pair of workers,
+# 2 N^2 for a set of N at one store, and a connection per pair. At the store's capacity
+# measured here (benchmarks/store_load.py: 40,000-80,000 requests a second), 1,024
+# workers' group takes 25-50 s of the store alone, where 32 workers' takes 50 ms. So
+# the bound on creating a group (``group_timeout_s``) cannot be the collective timeout
+# (``timeout_s``: how long a hung peer may stall a step, which does not grow with N):
+# by default it is max(timeout_s, N^2 / GROUP_REQUESTS_PER_S), at least twice the
+# store's time, 10 s up to 316 workers, 105 s at 1,024. The collectives of a group pass
+# their own timeout (``timeout_s``), so the longer bound never slows hang detection.
+# The join deadline (``join_deadline_s``: how long members wait for newcomers to
+# connect) bounds the creation of a grown set's group, and defaults to the same bound.
+GROUP_REQUESTS_PER_S = 10_000
+
+
+def group_bound_s(workers: int, timeout_s: float) -> float:
+    """The default bound on creating the group of ``workers`` (Note [Bounds that grow
+    with the set])."""
+    return max(timeout_s, workers * workers / GROUP_REQUESTS_PER_S)
+
+
 class Groups:
     """One worker's process groups for its worker sets: ``backend`` ("gloo" or "nccl"),
     the bound ``timeout_s`` on every collective, and ``gloo_interface``, the interface
-    Gloo binds (None: Gloo reads ``GLOO_SOCKET_IFNAME`` itself). On NCCL it keeps the
-    group the executor is on, to shut it down once the executor has moved on."""
+    Gloo binds (None: Gloo reads ``GLOO_SOCKET_IFNAME`` itself). A group's creation is
+    bounded by ``group_timeout_s``, or ``join_deadline_s`` when newcomers join it (None:
+    Note [Bounds that grow with the set]). On NCCL it keeps the group the executor is
+    on, to shut it down once the executor has moved on."""
 
-    def __init__(self, backend: str, timeout_s: float, gloo_interface: str | None) -> None:
+    def __init__(
+        self,
+        backend: str,
+        timeout_s: float,
+        gloo_interface: str | None,
+        group_timeout_s: float | None = None,
+        join_deadline_s: float | None = None,
+    ) -> None:
         self.backend = backend
         self.timeout_s = timeout_s
+        self.group_timeout_s = group_timeout_s
+        self.join_deadline_s = join_deadline_s
         self._gloo_interface = gloo_interface
         self._nccl_group: dist.ProcessGroup | None = None
 
-    def make(self, rnd: Round, name: str, ranks: list[int] | None) -> dist.ProcessGroup:
-        """The group of ``ranks`` (None: the round's all) named ``name`` in ``rnd``; a
-        peer that never connects (dead or hung) is a CollectiveError, like a failed
-        collective."""
+    def bound_s(self, workers: int, joining: bool = False) -> float:
+        """How long creating the group of ``workers`` may take; ``joining``: newcomers
+        join it (the join deadline)."""
+        if joining and self.join_deadline_s is not None:
+            return self.join_deadline_s
+        if self.group_timeout_s is not None:
+            return self.group_timeout_s
+        return group_bound_s(workers, self.timeout_s)
+
+    def deadline_words(self, workers: int) -> str:
+        """The join deadline of a set of ``workers``, for messages."""
+        bound = self.bound_s(workers, joining=True)
+        if self.join_deadline_s is not None:
+            return f"join_deadline_s={bound:g} s"
+        return f"{bound:g} s, the group bound of {workers} workers"
+
+    def make(
+        self, rnd: Round, name: str, ranks: list[int] | None, joining: bool = False
+    ) -> dist.ProcessGroup:
+        """The group of ``ranks`` (None: the round's all) named ``name`` in ``rnd``,
+        ``joining``: with newcomers; a peer that never connects within ``bound_s`` (dead
+        or hung) is a CollectiveError, like a failed collective."""
         start = time.monotonic()
+        bound = self.bound_s(rnd.world_size if ranks is None else len(ranks), joining)
         try:
             return round_group(
                 rnd,
-                timedelta(seconds=self.timeout_s),
+                timedelta(seconds=bound),
                 backend=self.backend,
                 name=name,
                 ranks=ranks,
                 interface=self._gloo_interface,
             )
         except RuntimeError as e:  # a peer that never connected: dead or hung
-            outcome = failure_words(str(e), time.monotonic() - start, self.timeout_s)
+            outcome = failure_words(str(e), time.monotonic() - start, bound)
             raise CollectiveError(
                 f"creating the process group of round {rnd.number} ({name}) {outcome}: {e}"
             ) from e

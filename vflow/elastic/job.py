@@ -107,6 +107,7 @@ from vflow.elastic.admission import Admission, JoinRefused, RoundRefused
 from vflow.elastic.agreement import LeftOut, Recovery
 from vflow.elastic.groups import Groups, WorkerSet, choose_interface, prepare_nccl, publish
 from vflow.elastic.rendezvous import (
+    GONE_AFTER_S,
     Rendezvous,
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -171,12 +172,24 @@ class ElasticJob:
         min_workers / max_workers: bounds on the worker count. A round forms once
             ``min_workers`` are there (after the last call); beyond ``max_workers``,
             workers wait (without a time limit) until a place is free or the job ends.
-            Keep ``max_workers <= V``: every worker needs a VN, so a round with more
-            workers than V refuses the newcomers beyond V (they raise RuntimeError).
+            ``max_workers`` defaults to V (every worker needs a VN: a round with more
+            workers than V refuses the newcomers beyond V, which raise RuntimeError).
         timeout_s: bound on every collective of the job's groups: how long a hung
-            worker (SIGSTOP, a wedged host) stalls the others before they drop it, and
-            the join deadline: a newcomer that has not joined within it is left out.
-            Keep it a few times the longest step.
+            worker (SIGSTOP, a wedged host) stalls the others before they drop it.
+            Keep it a few times the longest step; it does not grow with the workers.
+        group_timeout_s: bound on creating a worker set's process group (Note
+            [Bounds that grow with the set], vflow/elastic/groups.py); None (default):
+            ``max(timeout_s, N * N / 10,000)`` seconds for a set of N workers, since
+            creating a Gloo group costs every pair of workers a store request.
+        join_deadline_s: how long the members wait for newcomers to connect to the
+            grown set's group; a newcomer that has not joined within it is left out
+            (JoinRefused) and the members go on. None (default): the group bound of
+            the grown set.
+        gone_after_s: a worker whose beats stood still this long is gone for the
+            survivors of a failure (Note [Beats], vflow/elastic/rendezvous.py): a
+            stopped worker or a host gone silent. A killed one is found sooner, its
+            probe refusing connections. Longer: fewer live workers dropped when a
+            host or the store is slow; shorter: a silent host costs less.
         join_timeout_s: how long a round may take to form, e.g. while waiting for
             joiners after falling below ``min_workers``. It does not bound a newcomer's
             wait while the running job has no place for it.
@@ -213,8 +226,11 @@ class ElasticJob:
         job_id: str,
         *,
         min_workers: int = 1,
-        max_workers: int = 64,
+        max_workers: int | None = None,
         timeout_s: float = 10.0,
+        group_timeout_s: float | None = None,
+        join_deadline_s: float | None = None,
+        gone_after_s: float = GONE_AFTER_S,
         join_timeout_s: float = 600.0,
         last_call_s: float = 1.0,
         keep_alive_s: float = 0.5,
@@ -231,18 +247,21 @@ class ElasticJob:
             raise ValueError(f"job_id must be a non-empty string without spaces, got {job_id!r}")
         for name, value in (
             ("min_workers", min_workers),
-            ("max_workers", max_workers),
+            ("max_workers", 1 if max_workers is None else max_workers),
             ("keep_alive_attempts", keep_alive_attempts),
             ("max_recoveries", max_recoveries),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if max_workers < min_workers:
+        if max_workers is not None and max_workers < min_workers:
             raise ValueError(
                 f"max_workers must be >= min_workers ({min_workers}), got {max_workers}"
             )
         for name, value in (
             ("timeout_s", timeout_s),
+            ("group_timeout_s", 1.0 if group_timeout_s is None else group_timeout_s),
+            ("join_deadline_s", 1.0 if join_deadline_s is None else join_deadline_s),
+            ("gone_after_s", gone_after_s),
             ("join_timeout_s", join_timeout_s),
             ("keep_alive_s", keep_alive_s),
             ("store_timeout_s", store_timeout_s),
@@ -268,6 +287,9 @@ class ElasticJob:
         self.min_workers = min_workers
         self.max_workers = max_workers
         self.timeout_s = float(timeout_s)
+        self.group_timeout_s = None if group_timeout_s is None else float(group_timeout_s)
+        self.join_deadline_s = None if join_deadline_s is None else float(join_deadline_s)
+        self.gone_after_s = float(gone_after_s)
         self.join_timeout_s = float(join_timeout_s)
         self.last_call_s = float(last_call_s)
         self.keep_alive_s = float(keep_alive_s)
@@ -326,11 +348,19 @@ class ElasticJob:
         if self.handle_sigterm and threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, lambda *_: self._leave.set())
         try:
+            ex = self._build(make_executor)
+            # Known only now: the default max_workers is V, the executor's.
+            max_workers = ex.virtual_nodes if self.max_workers is None else self.max_workers
+            if max_workers < self.min_workers:
+                raise ValueError(
+                    f"max_workers defaults to V={max_workers}, below min_workers="
+                    f"{self.min_workers}: pass max_workers, or a smaller min_workers"
+                )
             self._rendezvous = Rendezvous(
                 self.rendezvous,
                 self.job_id,
                 min_workers=self.min_workers,
-                max_workers=self.max_workers,
+                max_workers=max_workers,
                 join_timeout_s=self.join_timeout_s,
                 last_call_s=self.last_call_s,
                 keep_alive_s=self.keep_alive_s,
@@ -346,7 +376,7 @@ class ElasticJob:
             )
             try:
                 return self._run(
-                    self._rendezvous, self._protocols(), make_executor, train_step, steps
+                    self._rendezvous, self._protocols(max_workers), ex, train_step, steps
                 )
             except BaseException:
                 self._rendezvous.leave()
@@ -356,13 +386,15 @@ class ElasticJob:
                 signal.signal(signal.SIGTERM, previous)
             self._rendezvous = None
 
-    def _protocols(self) -> _Protocols:
+    def _protocols(self, max_workers: int) -> _Protocols:
         """The protocols of one ``run``, on the job's settings as they are when it
         starts."""
         if self._groups is None:
             self._groups = Groups(self.backend, self.timeout_s, self._gloo_interface)
         groups = self._groups
         groups.timeout_s = self.timeout_s
+        groups.group_timeout_s = self.group_timeout_s
+        groups.join_deadline_s = self.join_deadline_s
         report = Reporter(
             self.job_id,
             self.rendezvous,
@@ -373,16 +405,19 @@ class ElasticJob:
             timeout_s=self.timeout_s,
         )
         recovery = Recovery(
-            groups, report, timeout_s=self.timeout_s, max_recoveries=self.max_recoveries
+            groups,
+            report,
+            timeout_s=self.timeout_s,
+            max_recoveries=self.max_recoveries,
+            gone_after_s=self.gone_after_s,
         )
         admission = Admission(
             groups,
             recovery,
             report,
             job_id=self.job_id,
-            max_workers=self.max_workers,
+            max_workers=max_workers,
             join_timeout_s=self.join_timeout_s,
-            timeout_s=self.timeout_s,
             max_recoveries=self.max_recoveries,
         )
         return _Protocols(groups, report, recovery, admission)
@@ -393,11 +428,10 @@ class ElasticJob:
         self,
         rdzv: Rendezvous,
         p: _Protocols,
-        make_executor: MakeExecutor,
+        ex: Executor,
         train_step: TrainStep,
         steps: int,
     ) -> Executor | None:
-        ex = self._build(make_executor)
         member = False  # whether ex has trained in this job (Note [Joining ahead])
         outcome = _Outcome("start", time.monotonic())
         failures = 0
@@ -505,7 +539,7 @@ class ElasticJob:
                 say_recovered(
                     ex, ex.world_size, outcome.workers, outcome.failed_step, outcome.left_out
                 )
-                p.report.record(outcome.reason, outcome.seen, ex, rnd.number)
+                p.report.record(outcome.reason, outcome.seen, ex, rnd.number, p.recovery.agreed_at)
                 if ex.world_size < self.min_workers:
                     try:
                         grown = p.admission.admit(rdzv, workers, ex, wait=True)
@@ -663,7 +697,7 @@ class ElasticJob:
                 p.groups.abort(ex)
                 return _Outcome("crash", time.monotonic(), ex.world_size, evicted=True), workers
             # A full worker set does not look at who waits (they wait for a place).
-            room = len(workers.ranks) < min(self.max_workers, ex.virtual_nodes)
+            room = len(workers.ranks) < min(p.admission.max_workers, ex.virtual_nodes)
 
             def word(room: bool = room) -> int:
                 # Read by the step as late as it can send it: a knock or a SIGTERM

@@ -113,6 +113,7 @@ from vflow.world.store import CountingStore, RequestCounts, connect_store
 
 __all__ = [
     "GONE_AFTER_S",
+    "SUSPECT_S",
     "Rendezvous",
     "RendezvousClosedError",
     "RendezvousConnectionError",
@@ -130,16 +131,24 @@ __all__ = [
 # after keep_alive_s x keep_alive_attempts (2 s at least: it polls once a second). Crash
 # recovery within a round (vflow.elastic) needs to know sooner which of its peers are
 # gone, so the poller also adds 1 to a counter of this worker's in the round's store
-# every _POLL_S: a worker whose counter has not moved for GONE_AFTER_S is dead, stopped
-# or cut off from the store. The verdict is the observer's own monotonic clock against
-# a count, never a time another machine wrote, so clocks that disagree cannot make it.
-# A live worker's poller needs the GIL for a moment every _POLL_S, which the step's
-# compute releases, so GONE_AFTER_S is several polls. It is most of what a crash costs
-# the survivors (benchmarks/elastic.py: 0.4 s of a 0.7 s stall); a live worker wrongly
-# judged gone is only left out and comes back as a grow, so the verdict is made quick
-# rather than certain.
+# every _POLL_S. A peer is judged gone on one of two grounds:
+# * its probe refuses connections (Note [Probing a peer], vflow/world/network.py): its
+#   process is dead. Asked of a peer whose counter has not moved for SUSPECT_S (two
+#   beats), so that a killed worker is known gone a fifth of a second after its death;
+# * its counter has not moved for ``gone_after_s`` (ElasticJob's option, default
+#   GONE_AFTER_S): stopped, hung, or on a host that went silent (no refusal comes
+#   back from there).
+# The verdict is the observer's own monotonic clock against a count, never a time
+# another machine wrote, so clocks that disagree cannot make it. A live worker's poller
+# needs the GIL for a moment every _POLL_S, which a step's compute releases, and its
+# beats cross the store's queue, which at a thousand workers carries ten thousand of
+# them a second; so a live worker's counter can stand still for a few hundred
+# milliseconds on a loaded host or store, and the silence verdict waits GONE_AFTER_S,
+# many beats: a live worker judged gone is left out and comes back as a grow, a whole
+# event, while the dead are found by the refusal long before.
 _POLL_S = 0.1
-GONE_AFTER_S = 0.4
+SUSPECT_S = 2 * _POLL_S
+GONE_AFTER_S = 2.0
 
 # Note [Knockers acknowledge]
 # Members never follow a knocker's liveness: the members' answer to a ticket is first an
@@ -838,6 +847,22 @@ class Rendezvous:
         if keys and store.check(keys):
             return {r: int(v) for r, v in zip(ranks, store.multi_get(keys), strict=True)}
         return {r: int(store.add(key, 0)) for r, key in zip(ranks, keys, strict=True)}
+
+    def probes(self, ranks: list[int]) -> dict[int, str]:
+        """Where each of the current round's ``ranks`` answers probes (Note [Probing a
+        peer], vflow/world/network.py), for those that said so."""
+        rnd = self._round
+        if rnd is None:
+            raise RuntimeError("probes() outside a round")
+        store = self._main_store
+        keys = [_probe_key(rnd, r) for r in ranks]
+        if keys and store.check(keys):
+            return {r: v.decode() for r, v in zip(ranks, store.multi_get(keys), strict=True)}
+        return {
+            r: store.get(key).decode()
+            for r, key in zip(ranks, keys, strict=True)
+            if store.check([key])
+        }
 
     def evicted(self) -> bool:
         """Whether the rendezvous dropped this worker from its round (its heartbeats

@@ -59,6 +59,9 @@ class Event:
     reason: "start", "grow", "leave", "crash" or "finish".
     seconds: from the moment this worker saw the cause (the step that carried the
       signal, or the failed collective) to the new worker set being ready.
+    agreed_s: for a crash, from the failed collective to the survivors' decision (Note
+      [Recovering within the round], vflow/elastic/agreement.py): the part of
+      ``seconds`` spent agreeing, before the group's creation; None otherwise.
     """
 
     step: int
@@ -66,6 +69,7 @@ class Event:
     workers: int
     reason: str
     seconds: float
+    agreed_s: float | None = None
 
 
 class Reporter:
@@ -93,13 +97,28 @@ class Reporter:
         self.join_timeout_s = join_timeout_s
         self.timeout_s = timeout_s
 
-    def record(self, reason: str, seen: float, ex: Executor, round_number: int) -> None:
+    def record(
+        self,
+        reason: str,
+        seen: float,
+        ex: Executor,
+        round_number: int,
+        agreed: float | None = None,
+    ) -> None:
         """The Event of a change whose cause this worker saw at ``seen``
         (``time.monotonic()``) and that ended with ``ex`` on its new worker set;
-        ``reason``: the state machine's ("done", "few" or an Event's reason)."""
+        ``reason``: the state machine's ("done", "few" or an Event's reason); ``agreed``:
+        when the survivors' decision came (a crash)."""
         # "few": the leave was recorded when it happened; this round brought joiners.
         reason = {"done": "finish", "few": "grow"}.get(reason, reason)
-        event = Event(ex.step_count, round_number, ex.world_size, reason, time.monotonic() - seen)
+        event = Event(
+            ex.step_count,
+            round_number,
+            ex.world_size,
+            reason,
+            time.monotonic() - seen,
+            None if agreed is None else agreed - seen,
+        )
         self.events.append(event)
         _log.info(
             "vflow elastic: step %d, round %d, %d worker(s), %s, %.2f s",

@@ -27,6 +27,13 @@ over a live network completes in a round trip; over a silent one (a partition, a
 host whose link is down) nothing comes back, in either direction, so the attempt
 times out after ``PROBE_TIMEOUT_S``. The probe accepts a connection and closes it: it
 says only that packets flow both ways between the two interfaces the collectives use.
+
+A refused connection says more: the peer's host answered, and nothing listens on the
+probe's port any more, so the process that listened is gone (killed, crashed, exited).
+``refused`` asks only that, with a short timeout: a stopped process still accepts (the
+kernel completes the connection into its backlog), and a silent host or a partition
+answers nothing, so neither is ever taken for dead this way (Note [Beats],
+vflow/elastic/rendezvous.py, judges those).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ __all__ = [
     "interfaces",
     "loopback_interface",
     "reachable",
+    "refused",
     "resolve",
     "route_interface",
 ]
@@ -58,6 +66,9 @@ __all__ = [
 # Over a LAN a connection completes in well under a millisecond, across a data centre
 # in a few; half a second of silence is a cut link, not a slow one.
 PROBE_TIMEOUT_S = 0.5
+# A refusal comes back in a round trip; a peer that does not answer that quickly is not
+# refusing, and whoever asked (an agreement's poll) must not wait for it.
+REFUSED_TIMEOUT_S = 0.1
 _SIOCGIFCONF = 0x8912
 _IFREQ_BYTES = 40  # struct ifreq on 64-bit Linux: a 16-byte name, a 24-byte union
 
@@ -168,7 +179,9 @@ class ProbeListener:
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((address, 0))
-        self._socket.listen(64)
+        # Every survivor of a large set may probe this one at once: a full accept queue
+        # drops connection attempts, which would read as a cut link.
+        self._socket.listen(socket.SOMAXCONN)
         host, port = self._socket.getsockname()[:2]
         self.endpoint = format_endpoint(host, port)
         self._closed = False
@@ -190,6 +203,27 @@ class ProbeListener:
         except OSError:
             pass
         self._socket.close()
+
+
+def refused(endpoints: Sequence[str], timeout_s: float = REFUSED_TIMEOUT_S) -> list[bool]:
+    """Whether a connection to each ``"HOST:PORT"`` of ``endpoints`` is refused within
+    ``timeout_s``: the host is up and the probe's process is gone (Note [Probing a
+    peer]). A timeout, an accepted connection or any other error is False."""
+    if not endpoints:
+        return []
+
+    def is_refused(endpoint: str) -> bool:
+        host, _, port = endpoint.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+                return False
+        except ConnectionRefusedError:
+            return True
+        except (OSError, ValueError):
+            return False
+
+    with ThreadPoolExecutor(max_workers=min(32, len(endpoints))) as pool:
+        return list(pool.map(is_refused, endpoints))
 
 
 def reachable(endpoints: Sequence[str], timeout_s: float = PROBE_TIMEOUT_S) -> list[bool]:
