@@ -19,7 +19,7 @@ and so on, until every survivor has seen the failure. Then, in the round's store
    vflow/elastic/rendezvous.py), up to ``timeout_s``;
    newcomers of a set that was forming are not waited for;
 3. it probes every other survivor (Note [Probing a peer], vflow/world/network.py) and
-   appends whom it reached to ``recover<G>/reach``, then waits for the others' rows
+   says whom it missed under ``recover<G>/reach``, then waits for the others' rows
    as in 2. A group breaks as surely over a cut between two survivors as over a dead
    one, and after a partition both ends still answer: without this step they would
    form the same broken set again and again;
@@ -40,16 +40,18 @@ call. Probing costs a round trip per pair when all is well, and the probe's time
 (0.5 s) when a pair is cut.
 
 Note [An agreement's requests]
-The answers of a step (``alive``, ``reach``) are numbered: a worker adds 1 to the
-step's counter and writes its answer under the number it got (``_put``). A survivor
-waiting on the others reads the counter each poll and, when it moved, the answers it
-has not read yet, with one ``multi_get`` (``_Reader``); then the beats of the workers
+Each answer of a step (``alive``, ``reach``) is a key of its own; its writer then
+appends the key's name to the step's index and raises the step's counter (``_put``),
+so that a name in the index always names a key that is there. A survivor waiting on
+the others reads the counter each poll and, when it moved, the index and, with one
+``multi_get``, the answers it has not read (``_Reader``); then the beats of the workers
 it watches (Note [Each silent worker watched once]), one ``check`` and one
-``multi_get`` (Rendezvous.beats). So a poll is two requests when nothing changed and
-four when it did, whatever N, and over an agreement a survivor reads each answer
-once: N answers each, where re-reading one key of every answer would move N^2 bytes a
-poll through the store at a thousand workers. A row of ``reach`` names the survivors
-missed (empty when all is well), not those reached. The poll's period grows with the
+``multi_get`` (Rendezvous.beats). So a poll is one request when nothing changed and
+five at most when something did, whatever N; over an agreement a survivor reads each
+answer once, and the index (a few bytes an answer) when it grew, where re-reading one
+key holding every answer would move N^2 bytes a poll through the store at a thousand
+workers. A row of ``reach`` names the survivors missed (empty when all is well), not
+those reached. The poll's period grows with the
 set beyond _SET_POLLS_PER_S / POLL_S workers (50), so that a whole set's polls stay at
 _SET_POLLS_PER_S a second (5,000-10,000 requests a second to the store at most,
 however many workers; benchmarks/store_load.py measures what the store serves here),
@@ -176,8 +178,8 @@ class Recovery:
         waited_for = [r for r in workers.ranks if r not in newcomers]
         alive = self._answers(rdzv, workers, f"{prefix}/alive", waited_for)
         survivors = [r for r in workers.ranks if r in alive]
-        reach = self._reach(rdzv, workers, prefix, {r: str(alive[r]) for r in survivors})
-        proposal = connected([r for r in workers.ranks if r in reach], reach)
+        missed = self._reach(rdzv, workers, prefix, {r: str(alive[r]) for r in survivors})
+        proposal = connected([r for r in workers.ranks if r in missed], missed)
         decided = json.loads(store.compare_set(f"{prefix}/decision", "", json.dumps(proposal)))
         self.agreed_at = time.monotonic()
         if rnd.rank not in decided:
@@ -253,22 +255,18 @@ class Recovery:
     def _reach(
         self, rdzv: Rendezvous, workers: WorkerSet, prefix: str, endpoints: dict[int, str]
     ) -> dict[int, list[int]]:
-        """Note [Recovering within the round], step 3: which survivors each survivor
-        reaches (Note [Probing a peer], vflow/world/network.py), for those that said;
+        """Note [Recovering within the round], step 3: whom each survivor failed to
+        reach (Note [Probing a peer], vflow/world/network.py), for those that said;
         ``endpoints``: the survivors' probe endpoints."""
         me = workers.round.rank
         others = [r for r in endpoints if r != me]
         found = self.reachable([endpoints[r] for r in others])
         # Whom it missed, not whom it reached: a row is empty when all is well, where a
-        # list of the reached would make the key grow with N^2.
-        _say(
-            workers.round.store,
-            f"{prefix}/reach",
-            me,
-            [r for r, ok in zip(others, found) if not ok],
-        )
+        # list of the reached would make the step's answers grow with N^2.
+        mine = [r for r, ok in zip(others, found, strict=True) if not ok]
+        _say(workers.round.store, f"{prefix}/reach", me, mine)
         said = self._answers(rdzv, workers, f"{prefix}/reach", list(endpoints))
-        return {r: [k for k in endpoints if k not in row] for r, row in said.items()}
+        return {r: [int(k) for k in row] for r, row in said.items()}
 
 
 def set_poll_s(workers: int) -> float:
@@ -284,23 +282,26 @@ def _say(store: dist.Store, key: str, rank: int, value: object) -> None:
 
 
 def _put(store: dist.Store, key: str, row: list[Any]) -> None:
-    """The next numbered answer under ``key``: its number first, then its text."""
-    number = store.add(f"{key}/n", 1)
-    store.set(f"{key}/{number}", json.dumps(row))
+    """An answer under ``key`` (Note [An agreement's requests]): its text under a key of
+    its own, then its name appended to the step's index, then the step's counter
+    raised, so that whatever the index names can be read."""
+    name = f"g{row[1]}" if row[0] == _GONE else f"a{row[0]}"
+    store.set(f"{key}/{name}", json.dumps(row))
+    store.append(f"{key}/index", f"{name},")
+    store.add(f"{key}/n", 1)
 
 
 class _Reader:
     """One worker's reading of the answers under a key (Note [An agreement's
-    requests]): each read asks for the count, then for the answers it has not read."""
+    requests]): each read asks for the counter and, when it moved, for the index and
+    the answers it has not read."""
 
     def __init__(self, store: dist.Store, key: str, ranks: list[int]) -> None:
         self.store = store
         self.key = key
         self.ranks = set(ranks)
-        self.read_up_to = 0
-        # Answers counted but not yet written: their writers are between their two
-        # requests (or died there, and these stay unwritten).
-        self.unwritten: list[int] = []
+        self.count = 0
+        self.names: set[str] = set()
         self.said: dict[int, Any] = {}
         self.gone: set[int] = set()
         self.version = 0  # how many times answers came in
@@ -309,26 +310,21 @@ class _Reader:
         """The answers of the workers of ``ranks`` so far, and those of them found gone
         (Note [A verdict said once])."""
         count = int(self.store.add(f"{self.key}/n", 0))
-        numbers = self.unwritten + list(range(self.read_up_to + 1, count + 1))
-        self.read_up_to = max(self.read_up_to, count)
-        if not numbers:
+        if count == self.count:
             return self.said, self.gone
-        keys = [f"{self.key}/{n}" for n in numbers]
-        # A missing key would make multi_get wait for it: then each is checked.
-        written = (
-            numbers
-            if self.store.check(keys)
-            else [n for n, k in zip(numbers, keys, strict=True) if self.store.check([k])]
-        )
-        self.unwritten = [n for n in numbers if n not in written]
-        if written:
-            self.version += 1
-            for raw in self.store.multi_get([f"{self.key}/{n}" for n in written]):
-                first, second = json.loads(raw)
-                if first == _GONE:
-                    self.gone.add(int(second))
-                elif first in self.ranks:
-                    self.said.setdefault(int(first), second)
+        self.count = count
+        listed = self.store.get(f"{self.key}/index").decode().split(",")
+        new = [name for name in dict.fromkeys(listed) if name and name not in self.names]
+        if not new:
+            return self.said, self.gone
+        self.names.update(new)
+        self.version += 1
+        for raw in self.store.multi_get([f"{self.key}/{name}" for name in new]):
+            first, second = json.loads(raw)
+            if first == _GONE:
+                self.gone.add(int(second))
+            elif first in self.ranks:
+                self.said.setdefault(int(first), second)
         return self.said, self.gone
 
 
@@ -386,12 +382,22 @@ def _watched(
 _GONE = "gone"
 
 
-def connected(order: list[int], reach: dict[int, list[int]]) -> list[int]:
-    """The workers of ``order`` taken one by one, each kept if it and every worker kept
-    before it reach each other: a worker set whose every pair can talk (Note
-    [Recovering within the round])."""
+def connected(order: list[int], missed: dict[int, list[int]]) -> list[int]:
+    """The workers of ``order`` taken one by one, each kept if neither it nor any worker
+    kept before it missed the other (``missed``: whom each failed to reach): a worker set
+    whose every pair can talk (Note [Recovering within the round]). Linear in the
+    workers and the misses, not in the pairs: a thousand survivors that all reach each
+    other cost a thousand steps."""
+    apart: dict[int, set[int]] = {r: set() for r in order}
+    for r, row in missed.items():
+        for k in row:
+            if r in apart and k in apart:
+                apart[r].add(k)
+                apart[k].add(r)
     kept: list[int] = []
+    taken: set[int] = set()
     for r in order:
-        if all(k in reach[r] and r in reach[k] for k in kept):
+        if not apart[r] & taken:
             kept.append(r)
+            taken.add(r)
     return kept
