@@ -13,7 +13,9 @@ The benchmark starts one such process per node (a joiner is one more process) an
 sends it signals: SIGTERM (ElasticJob's own handler: leave after the current step),
 SIGSTOP, and SIGUSR1, which arms a crash: the next step that starts kills this process
 with SIGKILL in the backward of its middle VN (of its last, with one VN), after writing
-``{"kill": t, "step": s}``.
+``{"kill": t, "step": s}``. A file ``DIR/NODE.crash`` holding ``{"step": s}`` arms the
+same crash for global batch s (or the next step to start, if that is later): how the
+benchmark kills several workers in one step.
 
 Log files (``t``: ``time.time()`` when written), one per worker set this process trains
 in, so that a file holds one process's part of one worker set, as a torchrun worker's
@@ -116,9 +118,11 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(args.threads)
 
     class Crash:
-        """SIGUSR1 arms it; the next step to start dies in the backward of its middle VN."""
+        """SIGUSR1 arms it; the next step to start dies in the backward of its middle VN.
+        Or the crash file names the step."""
 
-        def __init__(self) -> None:
+        def __init__(self, marker: str) -> None:
+            self.marker = marker
             self.armed = False
             self.step: int | None = None  # the global batch to die in, once armed
             self.current = -1
@@ -132,6 +136,9 @@ def main(argv: list[str]) -> int:
             self.current, self.vn, self.vns_here = step, 0, vns_here
             if self.armed and self.step is None:
                 self.step = step
+            if self.step is None and os.path.exists(self.marker):
+                with open(self.marker, encoding="utf-8") as f:
+                    self.step = max(step, int(json.load(f)["step"]))
 
         def hook(self, out: torch.Tensor) -> None:
             position = self.vn
@@ -145,7 +152,7 @@ def main(argv: list[str]) -> int:
             time.sleep(30)  # SIGKILL is asynchronous: never return into backward
             return grad
 
-    crash = Crash()
+    crash = Crash(f"{args.log_path}.crash")
     signal.signal(signal.SIGUSR1, crash.arm)
     samples = args.batch_size * BATCHES_PER_EPOCH
     gen = torch.Generator().manual_seed(1234)

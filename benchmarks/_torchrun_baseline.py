@@ -48,8 +48,10 @@ Profiles (``PROFILES``):
   the job next to the first (split brain; torch 2.13). 1 attempt is accepted too and
   would fail the same way, sooner.
 
-Events (``Event(kind, at_step, node)``; ``node`` names an agent, "a", "b", ... in start
-order; by default the newest live one). An event fires once a step >= ``at_step`` has
+Events (``Event(kind, at_step, node)``; ``node`` names an agent, "a", "b", ... "z",
+"aa", ... in start order (``node_name``); by default the newest live one; ``count``:
+a grow of several nodes started at once, or in a chain that allows it (``counted``)
+another event on the several newest). An event fires once a step >= ``at_step`` has
 been completed by a worker group formed after the previous event, at the size that
 event left. ``--nnodes`` is ``1:MAX`` with MAX = the starting workers plus the chain's
 grows: a rendezvous round that reaches MAX nodes completes at once, one with fewer
@@ -160,7 +162,18 @@ WORKER = Path(__file__).resolve().with_name("_torchrun_worker.py")
 KINDS = ("grow", "leave", "term", "crash", "node-loss", "stop")
 SHRINKS = ("leave", "node-loss")
 POLL_S = 0.02
-NODE_NAMES = string.ascii_lowercase
+
+
+def node_name(index: int) -> str:
+    """The name of the ``index``-th node started (0: "a"): a .. z, then aa, ab, ...
+    (no dot: a log file's node is its name up to the first dot)."""
+    letters = string.ascii_lowercase
+    name = ""
+    index += 1
+    while index:
+        index, digit = divmod(index - 1, len(letters))
+        name = letters[digit] + name
+    return name
 
 
 @dataclass(frozen=True)
@@ -193,6 +206,9 @@ class Event:
     # (benchmarks/elastic.py's vflow chains, where nothing restarts a lost worker): it
     # is measured like any event, but it is not one of the chain's compared events.
     restore: bool = False
+    # Nodes the event hits at once: a grow starts that many, a crash kills that many
+    # in the same step (the newest live nodes; ``node`` names one only with count 1).
+    count: int = 1
 
 
 @dataclass(frozen=True)
@@ -224,6 +240,9 @@ class Settings:
     tail_steps: int | None = None
     settle_steps: int = 0
     event_phase: int | None = None
+    # How often the controller reads the logs and checks its processes: every read
+    # opens every log file, which with tens of workers is CPU the workers lack.
+    poll_s: float = POLL_S
 
 
 @dataclass
@@ -484,6 +503,8 @@ class _Chain:
     """
 
     kinds: tuple[str, ...] = KINDS
+    # The kinds whose events may hit several nodes at once (Event.count).
+    counted: tuple[str, ...] = ("grow",)
 
     def __init__(self, events: Sequence[Event], s: Settings, run_dir: Path) -> None:
         self.events = list(events)
@@ -498,7 +519,7 @@ class _Chain:
         self.store: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.job = f"vflow-trb-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
-        grows = sum(e.kind == "grow" for e in self.events)
+        grows = sum(e.count for e in self.events if e.kind == "grow")
         self.max_workers = s.max_workers or s.workers + grows
         self.fired: list[_Fired] = []
         self.first_agent_t: float | None = None
@@ -512,6 +533,12 @@ class _Chain:
         """The worker count after an event of ``kind``: torchrun restarts a failed or
         stopped worker, and only a node that goes away shrinks the job."""
         return size + 1 if kind == "grow" else size - 1 if kind in SHRINKS else size
+
+    def size_after_event(self, event: Event, size: int) -> int:
+        """``size_after`` once per node the event hits."""
+        for _ in range(event.count):
+            size = self.size_after(event.kind, size)
+        return size
 
     def steps_arg(self) -> int:
         """The step limit the workers get (none, in effect, in an open-ended run)."""
@@ -611,7 +638,7 @@ class _Chain:
         return cmd
 
     def start_agent(self) -> _Agent:
-        name = NODE_NAMES[len(self.agents)]
+        name = node_name(len(self.agents))
         output = self.run_dir / f"agent-{name}.out"
         out = open(output, "wb")
         self._outputs.append(out)
@@ -660,7 +687,7 @@ class _Chain:
                 return value
             if time.monotonic() > until:
                 raise _Abort(f"no {what} within {timeout_s:g} s")
-            time.sleep(POLL_S)
+            time.sleep(self.s.poll_s)
 
     def completions_after(self, t: float, size: int) -> list[tuple[int, float]]:
         """Completions by groups of ``size`` whose processes all started after ``t``."""
@@ -685,6 +712,16 @@ class _Chain:
         live = [a for a in self.agents if not a.gone]
         return live[-1]
 
+    def targets(self, event: Event) -> list[_Agent]:
+        """The ``event.count`` nodes an event hits: ``target``'s with count 1, else the
+        newest live ones."""
+        if event.count == 1:
+            return [self.target(event)]
+        live = [a for a in self.agents if not a.gone]
+        if len(live) < event.count:
+            raise _Abort(f"{len(live)} live node(s) for {event}")
+        return live[-event.count :]
+
     def worker_pid(self, agent: _Agent) -> int:
         proc = self.logs.current_proc(agent.name)
         if proc is None or not _alive(proc.pid):
@@ -692,11 +729,12 @@ class _Chain:
         return proc.pid
 
     def fire(self, event: Event, size: int) -> tuple[str, float, int]:
-        """Carries out ``event``; returns the node, the event time and the new size."""
-        after = self.size_after(event.kind, size)
+        """Carries out ``event``; returns the node ("+"-joined for several), the event
+        time and the new size."""
+        after = self.size_after_event(event, size)
         if event.kind == "grow":
-            agent = self.start_agent()
-            return agent.name, agent.started, after
+            agents = [self.start_agent() for _ in range(event.count)]
+            return "+".join(a.name for a in agents), agents[0].started, after
         agent = self.target(event)
         if event.kind == "leave":
             t = time.time()
@@ -751,6 +789,7 @@ class _Chain:
                 return self.completions_after(since, size)
 
             done = self.wait_for(f"recovery from {event.kind} of {node}", back, self.budget())
+            self.recovered(self.fired[-1])
             first = min(s for s, _ in done)
             began = min(t for _, t in done)
             high = max(
@@ -764,6 +803,10 @@ class _Chain:
         self.finish()
         self.logs.poll()
 
+    def recovered(self, fired: _Fired) -> None:
+        """Called once the group formed after ``fired`` has completed a step: a subclass
+        measures what it wants there (benchmarks/elastic_scale.py: the workers' memory)."""
+
     def finish(self) -> None:
         """After the last step: torchrun's agents exit once every group member finished
         (its exit barrier); an open-ended run just ends (cleanup kills it)."""
@@ -771,7 +814,7 @@ class _Chain:
             return
         until = time.monotonic() + self.s.exit_timeout_s
         while time.monotonic() < until and any(a.proc.poll() is None for a in self.agents):
-            time.sleep(POLL_S)
+            time.sleep(self.s.poll_s)
 
     def budget(self, whole: bool = False) -> float:
         left = self.deadline - time.monotonic()
@@ -1038,9 +1081,11 @@ def check_chain(
     s: Settings,
     size_after: Callable[[str, int], int],
     kinds: Sequence[str] = KINDS,
+    counted: Sequence[str] = ("grow",),
 ) -> None:
     """ValueError when ``events`` cannot run as one chain under ``s`` (``size_after``:
-    the worker count an event leaves; ``kinds``: the events the chain can fire)."""
+    the worker count an event leaves; ``kinds``: the events the chain can fire;
+    ``counted``: those that may hit several nodes at once)."""
     if s.workers < 1 or s.checkpoint_every < 1 or s.store not in ("separate", "agent"):
         raise ValueError(f"bad settings: {s}")
     if s.tail_steps is not None and (s.tail_steps < 1 or s.settle_steps < 0):
@@ -1055,12 +1100,13 @@ def check_chain(
             raise ValueError(f"events must be at increasing steps below {s.steps - 1}: {e}")
         if e.at_step < 0:
             raise ValueError(f"an event's step must be >= 0: {e}")
+        if e.count < 1 or (e.count > 1 and (e.kind not in counted or e.node is not None)):
+            raise ValueError(f"this chain cannot hit {e.count} nodes at once: {e}")
         last = e.at_step
-        size = size_after(e.kind, size)
+        for _ in range(e.count):
+            size = size_after(e.kind, size)
         if size < max(s.min_workers, 1):
             raise ValueError(f"{e} leaves fewer than min_workers={s.min_workers} workers")
-    if len(NODE_NAMES) < s.workers + sum(e.kind == "grow" for e in events):
-        raise ValueError("too many nodes")
 
 
 @contextlib.contextmanager
@@ -1089,7 +1135,7 @@ def run_chain(
     (benchmarks/elastic.py's vflow chains), run and read the same way."""
     with _run_dir(settings.keep_dir, settings.profile.name) as run_dir:
         chain = make_chain(events, settings, run_dir)
-        check_chain(events, settings, chain.size_after, chain.kinds)
+        check_chain(events, settings, chain.size_after, chain.kinds, chain.counted)
         start = time.time()
         error: str | None = None
         try:

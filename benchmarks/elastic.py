@@ -123,7 +123,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
+import math
 import os
 import select
 import signal
@@ -287,6 +289,8 @@ class VflowChain(trb._Chain):
     worker is one node, started by the benchmark, and its files hold one process's
     part of one worker set (benchmarks/_elastic_worker.py)."""
 
+    counted = ("grow", "crash", "leave", "term")
+
     def __init__(
         self, events: Sequence[trb.Event], s: trb.Settings, run_dir: Path, job: JobSettings
     ) -> None:
@@ -340,22 +344,30 @@ class VflowChain(trb._Chain):
         ]
 
     def fire(self, event: trb.Event, size: int) -> tuple[str, float, int]:
-        after = self.size_after(event.kind, size)
         if event.kind == "grow":
-            agent = self.start_agent()
-            return agent.name, agent.started, after
-        agent = self.target(event)
-        agent.gone = True  # every other event takes the worker out of the job for good
+            return super().fire(event, size)
+        after = self.size_after_event(event, size)
+        agents = self.targets(event)
+        names = "+".join(a.name for a in agents)
+        for agent in agents:
+            agent.gone = True  # every other event takes the worker out of the job for good
         if event.kind == "crash":
-            proc = self.logs.current_proc(agent.name)
-            if proc is None:
-                raise trb._Abort(f"worker {agent.name} has no log")
-            os.kill(agent.proc.pid, signal.SIGUSR1)
+            if len(agents) == 1:
+                os.kill(agents[0].proc.pid, signal.SIGUSR1)
+            else:
+                # A signal each could reach them in different steps, and each death
+                # would be a failure of its own: they are told the step to die in.
+                step = self.crash_step()
+                for agent in agents:
+                    path = self.run_dir / f"{agent.name}.crash"
+                    path.with_suffix(".tmp").write_text(json.dumps({"step": step}))
+                    path.with_suffix(".tmp").replace(path)
 
             def killed() -> float | None:
-                return proc.stamps.get("kill")
+                stamps = [self.kill_stamp(a.name) for a in agents]
+                return None if None in stamps else min(s for s in stamps if s is not None)
 
-            return agent.name, self.wait_for("crash", killed, 60.0), after
+            return names, self.wait_for("crash", killed, 60.0), after
         sig = {
             "leave": signal.SIGTERM,
             "term": signal.SIGTERM,
@@ -363,8 +375,27 @@ class VflowChain(trb._Chain):
             "node-loss": signal.SIGKILL,
         }[event.kind]
         t = time.time()
-        os.kill(agent.proc.pid, sig)
-        return agent.name, t, after
+        for agent in agents:
+            os.kill(agent.proc.pid, sig)
+        return names, t, after
+
+    def kill_stamp(self, node: str) -> float | None:
+        """When ``node``'s worker killed itself (each process dies once: any file of
+        it may hold the stamp)."""
+        procs = self.logs.procs.values()
+        return min(
+            (p.stamps["kill"] for p in procs if p.node == node and "kill" in p.stamps), default=None
+        )
+
+    def crash_step(self) -> int:
+        """A step no worker has begun yet, however far the workers are past what this
+        controller last read of their logs: 3 steps on, or 0.5 s of steps if more."""
+        self.logs.poll()
+        done = sorted((t, s) for g in self.logs.groups() for s, t in g.completions().items())
+        high = max((s for _, s in done), default=-1)
+        recent = [b[0] - a[0] for a, b in itertools.pairwise(done[-6:])]
+        step_s = median(recent) if recent else 0.5
+        return high + max(3, math.ceil(0.5 / max(step_s, 1e-3)))
 
     def finish(self) -> None:
         """The end: the stopped worker is killed, the others get SIGTERM and leave
@@ -378,9 +409,10 @@ class VflowChain(trb._Chain):
             a.proc.send_signal(signal.SIGTERM)
         until = time.monotonic() + self.s.exit_timeout_s
         while time.monotonic() < until and any(a.proc.poll() is None for a in self.agents):
-            time.sleep(trb.POLL_S)
+            time.sleep(self.s.poll_s)
         self.exit_codes = {a.name: a.proc.poll() for a in self.agents}
-        left = {f.node for f in self.fired if f.event.kind in ("leave", "term")}
+        leaves = [f for f in self.fired if f.event.kind in ("leave", "term")]
+        left = {name for f in leaves for name in f.node.split("+")}
         bad = [a for a in self.agents if (a.name in left or not a.gone) and a.proc.poll() != 0]
         if bad:
             raise trb._Abort(
@@ -394,14 +426,14 @@ class VflowChain(trb._Chain):
         process = {p.node: p for p in self.logs.procs.values() if p.path.name.endswith(".p.jsonl")}
         for fired, e in zip(self.fired, r.events):
             # The new worker set's stamps are its first step's start ("begin") and
-            # completion; a grow's joiner also logged its imports and its executor,
-            # built before it asked to join.
+            # completion; a grow's joiners also logged their imports and executors,
+            # built before they asked to join (the last joiner's).
             phases = {k: v for k, v in e.phases_s.items() if k in ("begin", "step")}
-            joiner = process.get(fired.node) if e.kind == "grow" else None
-            if joiner is not None and e.recovered:
+            joiners = [process[n] for n in fired.node.split("+") if n in process]
+            if e.kind == "grow" and joiners and e.recovered:
                 for stamp in ("ready", "built"):
-                    if stamp in joiner.stamps:
-                        phases[stamp] = joiner.stamps[stamp] - fired.t
+                    if all(stamp in j.stamps for j in joiners):
+                        phases[stamp] = max(j.stamps[stamp] for j in joiners) - fired.t
             e.phases_s = phases
         events = {}
         for path in sorted(self.run_dir.glob("*.p.jsonl")):

@@ -1,6 +1,7 @@
 """The benchmark suite of a source checkout: runs the scripts of this folder (accumulate,
-step, distributed, prefetch, heterogeneous, pipeline, cluster, store_load; elastic only when named
-with ``--only``) one after another and sums up their headline results in one table
+step, distributed, prefetch, heterogeneous, pipeline, cluster, store_load; elastic and
+elastic_scale only when named with ``--only``) one after another and sums up their headline
+results in one table
 (``make bench``).
 
 Each script runs as a file in a subprocess of this interpreter, as its README says to
@@ -149,6 +150,19 @@ BENCHMARKS: dict[str, Benchmark] = {
             # the rest of the suite many times over: kept out of make bench.
             300,
             3 * 3600,
+            in_suite=False,
+        ),
+        Benchmark(
+            "elastic_scale",
+            "elastic_scale.py",
+            "2 to 32 Gloo workers of a small MLP: ElasticJob crash of 1 and of 3, leave, grow "
+            "of 1 and of 8 at once: members' stall, set changes, steps recomputed and skipped",
+            False,
+            # Above the script's own limits (600 s quick, 4 h full). Its quick run (2 and 4
+            # workers, crash of 1 and 3, grow of 8) takes about 3 min on 2 busy cores,
+            # over make bench's budget; the full one, up to 40 worker processes, hours.
+            900,
+            5 * 3600,
             in_suite=False,
         ),
     )

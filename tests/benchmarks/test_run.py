@@ -151,6 +151,7 @@ def test_elastic_runs_only_when_named(tmp_path: Path, capsys: pytest.CaptureFixt
     scripts = {name: ok for name in run.suite_names()}
     folder = _folder(tmp_path, {**scripts, "elastic": "sys.exit(3)\n"})
     assert "elastic" not in run.suite_names() and "elastic" in run.BENCHMARKS
+    assert "elastic_scale" not in run.suite_names() and "elastic_scale" in run.BENCHMARKS
     argv = ["--benchmarks-dir", str(folder)]
     assert run.main([*argv, "--out", str(tmp_path / "suite")]) == 0
     summary = json.loads((tmp_path / "suite" / "summary.json").read_text(encoding="utf-8"))
