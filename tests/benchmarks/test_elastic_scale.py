@@ -375,3 +375,31 @@ def test_changes_beyond_one_per_event_are_listed(capsys: pytest.CaptureFixture[s
     assert (row["set_changes"], row["other_changes"]) == (1, 4)
     scale.print_results(record)
     assert "worker-set changes beyond one per event" in capsys.readouterr().out
+
+
+def test_a_chain_of_32_workers_checks_and_names_its_nodes(tmp_path: Path) -> None:
+    cfg = _config(workers=(32,), events=tuple(scale.EVENTS))
+    s = scale.chain_settings(cfg, 32, None, 3600.0)
+    assert (s.max_workers, s.event_timeout_s, s.poll_s) == (40, 300.0, pytest.approx(0.16))
+    events = scale.plan_chain(cfg.events, 32)
+    chain = scale.ScaleChain(events, s, tmp_path, scale.JOB)
+    trb.check_chain(events, s, chain.size_after, chain.kinds, chain.counted)
+    started = 32 + sum(e.count for e in events if e.kind == "grow")
+    assert started == 46 and trb.node_name(started - 1) == "at"
+    assert scale.VIRTUAL_NODES >= s.max_workers
+
+
+def test_several_workers_are_told_a_step_none_has_begun(tmp_path: Path) -> None:
+    for rank, node in enumerate("abcd"):
+        _set_file(tmp_path, node, 0, "round 0/set0", rank, 4, 0.0, range(20), 0.05)
+    chain = scale.ScaleChain([], trb.Settings(workers=4, tail_steps=5), tmp_path, scale.JOB)
+    # 0.05 s steps: 0.5 s of them past the last step completed (19).
+    assert chain.crash_step() == 29
+    for rank, node in enumerate("abcd"):
+        _set_file(tmp_path, node, 0, "round 0/set0", rank, 4, 0.0, range(20), 1.0)
+    chain = scale.ScaleChain([], trb.Settings(workers=4, tail_steps=5), tmp_path, scale.JOB)
+    assert chain.crash_step() == 22  # at least 3 steps on
+    with open(tmp_path / "c.s0.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"kill": 21.5, "step": 21}) + "\n")
+    chain.logs.poll()
+    assert chain.kill_stamp("c") == 21.5 and chain.kill_stamp("d") is None
