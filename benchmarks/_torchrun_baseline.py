@@ -319,6 +319,9 @@ class _Proc:
     kill_step: int | None = None
     commits: list[tuple[int, float]] = field(default_factory=list)
     saves: list[float] = field(default_factory=list)  # seconds per checkpoint write
+    # ElasticJob.events of a vflow worker, as its last line lists them (the torchrun
+    # worker writes none).
+    events: list[dict[str, Any]] = field(default_factory=list)
     _offset: int = 0
 
     def read(self) -> None:
@@ -352,6 +355,8 @@ class _Proc:
             self.kill_step = int(rec["step"])
         if "saved" in rec:
             self.saves.append(float(rec["seconds"]))
+        if "events" in rec:
+            self.events = list(rec["events"])
 
 
 @dataclass

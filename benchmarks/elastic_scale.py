@@ -54,6 +54,10 @@ Measured per event, from the workers' logs (``_torchrun_baseline.analyse``):
   partial counts).
 * recovery: the event (a crash: the first victim's stamp before its SIGKILL; a grow:
   the first joiner's start; a leave: the signal) to the new worker set's first step.
+* agreed (crashes): the slowest survivor's ``Event.agreed_s``, from its failed
+  collective to the survivors' decision (Note [Recovering within the round],
+  vflow/elastic/agreement.py): what benchmarks/store_load.py simulates as "crash ->
+  agreed" at the same N.
 * RSS: the resident memory (VmRSS) of every live worker once the new worker set has
   completed a step, median and largest, and the largest peak (VmHWM).
 
@@ -247,8 +251,28 @@ class ScaleChain(elastic.VflowChain):
             "set_changes": [asdict(c) for c in set_changes(sets, events, self.finish_t)],
             "memory": self.memory,
             "kill_steps": kills,
+            "agreed_s": [
+                agreed_s([p.events for p in self.logs.procs.values()], set(k.values()))
+                for k in kills
+            ],
         }
         return r
+
+
+def agreed_s(events: Sequence[Sequence[dict[str, Any]]], kill_steps: set[int]) -> float | None:
+    """A crash's agreement (ElasticJob's Event.agreed_s: from a survivor's failed
+    collective to the survivors' decision), the slowest survivor's, from every worker's
+    events (``events``): those of the crash whose victims died in ``kill_steps`` (the
+    new worker set begins at that step, or the next for survivors that had committed
+    it). None for an event that is no crash."""
+    steps = kill_steps | {s + 1 for s in kill_steps}
+    found = [
+        float(e["agreed_s"])
+        for worker in events
+        for e in worker
+        if e.get("reason") == "crash" and e.get("agreed_s") is not None and e["step"] in steps
+    ]
+    return max(found) if found else None
 
 
 # ---- configuration --------------------------------------------------------------------
@@ -353,6 +377,7 @@ class Sample:
     rss_max: int | None
     hwm_max: int | None
     kill_steps: dict[str, int] = field(default_factory=dict)
+    agreed_s: float | None = None  # a crash's agreement, the slowest survivor's
 
 
 def samples_of(repeat: int, workers: int, result: trb.RunResult) -> list[Sample]:
@@ -361,6 +386,7 @@ def samples_of(repeat: int, workers: int, result: trb.RunResult) -> list[Sample]
     changes: list[dict[str, int]] = extra.get("set_changes", [])
     memory: list[dict[str, dict[str, int]]] = extra.get("memory", [])
     kills: list[dict[str, int]] = extra.get("kill_steps", [])
+    agreements: list[float | None] = extra.get("agreed_s", [])
     out = []
     for i, e in enumerate(result.events):
         if e.restore:
@@ -391,6 +417,7 @@ def samples_of(repeat: int, workers: int, result: trb.RunResult) -> list[Sample]
                 rss_max=max(rss) if rss else None,
                 hwm_max=max((m["VmHWM"] for m in sizes.values()), default=None),
                 kill_steps=kills[i] if i < len(kills) else {},
+                agreed_s=agreements[i] if i < len(agreements) else None,
             )
         )
     return out
@@ -455,6 +482,7 @@ def summarise(cfg: Config, chains: Sequence[ChainRun], skipped: Sequence[str]) -
                     "gap_s": _med([s.gap_s for s in ok]),
                     "step_s": _med([s.step_s for s in ok]),
                     "recovery_s": _med([s.recovery_s for s in ok]),
+                    "agreed_s": _med([s.agreed_s for s in ok]),
                     # The worst repetition: one split event is one too many.
                     "set_changes": max(s.set_changes for s in mine),
                     "other_changes": max(s.other_changes for s in mine),
@@ -594,6 +622,7 @@ def print_results(r: dict[str, Any]) -> None:
                 _s(row["gap_s"]),
                 "-" if row["step_s"] is None else f"{row['step_s'] * 1e3:.0f}",
                 _s(row["recovery_s"]),
+                _s(row["agreed_s"]),
                 str(row["set_changes"]),
                 str(row["other_changes"]),
                 _n(row["recomputed"]),
@@ -612,6 +641,7 @@ def print_results(r: dict[str, Any]) -> None:
                 "gap s",
                 "step ms",
                 "recovery s",
+                "agreed s",
                 "set changes",
                 "other",
                 "recomputed",

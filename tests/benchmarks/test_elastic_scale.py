@@ -403,3 +403,13 @@ def test_several_workers_are_told_a_step_none_has_begun(tmp_path: Path) -> None:
         f.write(json.dumps({"kill": 21.5, "step": 21}) + "\n")
     chain.logs.poll()
     assert chain.kill_stamp("c") == 21.5 and chain.kill_stamp("d") is None
+
+
+def test_a_crashs_agreement_is_the_slowest_survivors_of_that_crash() -> None:
+    crash = {"reason": "crash", "step": 40, "agreed_s": 0.3}
+    ahead = {"reason": "crash", "step": 41, "agreed_s": 0.5}  # had committed step 40
+    other = {"reason": "crash", "step": 90, "agreed_s": 9.0}  # a later crash
+    grow = {"reason": "grow", "step": 40, "agreed_s": None}
+    events = [[grow, crash, other], [ahead], []]
+    assert scale.agreed_s(events, {40}) == 0.5
+    assert scale.agreed_s(events, set()) is None  # no crash: no victims' step
