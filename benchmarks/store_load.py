@@ -298,6 +298,11 @@ def simulate(endpoint: str, size: int, hosts: int, kill: int, last_call_s: float
         time.sleep(5.0)
         after, elapsed = members.counts(), time.monotonic() - t0
         rates = [(after[r] - before[r]) / elapsed for r in after]
+        print(
+            f"  steady: {statistics.median(rates):.1f} requests/s per worker (median), "
+            f"{max(rates):.1f} (max), {sum(rates):,.0f} in all",
+            flush=True,
+        )
         # Crash: the highest ranks stop; the others agree from the kill on.
         victims = list(range(size - kill, size))
         members.ask("kill", victims)
@@ -307,6 +312,11 @@ def simulate(endpoint: str, size: int, hosts: int, kill: int, last_call_s: float
         load = (sum(members.counts().values()) - sum(before.values())) / agreed
         decisions = {tuple(ranks) for _, ranks in results if ranks is not None}
         left_out = sum(ranks is None for _, ranks in results)
+        print(
+            f"  crash of {kill}: agreed {agreed:.2f} s after, {load:,.0f} requests/s "
+            f"meanwhile, {len(decisions)} decision(s), {left_out} left out",
+            flush=True,
+        )
         # Knock: a new worker asks to join the survivors.
         mine, theirs = mp.Pipe()
         knocker = mp.Process(target=_knocker, args=(endpoint, job, last_call_s, theirs))

@@ -185,13 +185,13 @@ def test_each_silent_worker_is_watched_by_the_survivor_before_it() -> None:
     gone; around the ring."""
     order = [0, 1, 2, 3, 4, 5]
     said = {0: "", 3: "", 4: ""}
-    pending = [1, 2, 5]
+    pending = {1, 2, 5}
     assert _watched(order, 0, said, set(), pending) == [1, 2, 3]
     assert _watched(order, 3, said, set(), pending) == [4]
     assert _watched(order, 4, said, set(), pending) == [5, 0]
     assert _watched(order, 0, said, {3}, pending) == [1, 2, 4]  # 3 answered, then died
-    assert _watched(order, 0, {0: ""}, set(), [1, 2, 3, 4, 5]) == [1, 2, 3, 4, 5]
-    assert _watched([2, 0, 1], 1, {1: "", 0: ""}, set(), [2]) == [2, 0]  # the set's order
+    assert _watched(order, 0, {0: ""}, set(), {1, 2, 3, 4, 5}) == [1, 2, 3, 4, 5]
+    assert _watched([2, 0, 1], 1, {1: "", 0: ""}, set(), {2}) == [2, 0]  # the set's order
 
 
 def test_a_survivor_takes_an_earlier_survivors_verdict_that_a_worker_is_gone() -> None:

@@ -52,8 +52,8 @@ answer once, and the index (a few bytes an answer) when it grew, where re-readin
 key holding every answer would move N^2 bytes a poll through the store at a thousand
 workers. A row of ``reach`` names the survivors missed (empty when all is well), not
 those reached. The poll's period grows with the
-set beyond _SET_POLLS_PER_S / POLL_S workers (50), so that a whole set's polls stay at
-_SET_POLLS_PER_S a second (5,000-10,000 requests a second to the store at most,
+set beyond _SET_POLLS_PER_S * POLL_S workers (50), so that a whole set's polls stay
+at _SET_POLLS_PER_S a second (2,500-7,500 requests a second to the store at most,
 however many workers; benchmarks/store_load.py measures what the store serves here),
 at the cost of a longer agreement in sets that large.
 
@@ -200,12 +200,12 @@ class Recovery:
         reader = _Reader(store, key, workers.ranks)
         last: dict[int, tuple[int, float]] = {}
         probed: dict[int, float] = {}
-        version = -1
+        pending = set(waited_for)
+        watched: list[int] = []
         while True:
             said, gone = reader.read()
-            if reader.version != version:  # O(N) work only when an answer came
-                version = reader.version
-                pending = [r for r in waited_for if r not in said and r not in gone]
+            if reader.fresh or not watched:  # work only when an answer came
+                pending.difference_update(reader.fresh)
                 # Note [Each silent worker watched once]
                 watched = _watched(workers.ranks, workers.round.rank, said, gone, pending)
             now = time.monotonic()
@@ -217,10 +217,8 @@ class Recovery:
                 found += self._refusing(rdzv, watched, last, probed, now, found)
                 for r in found:  # Note [A verdict said once]
                     _put(store, key, [_GONE, r])
-                if found:
-                    version = -1  # the next read has them
-                    if all(r in found for r in pending):
-                        return said
+                if pending.issubset(found):
+                    return said
             if not pending or now > deadline:
                 return said
             time.sleep(poll)
@@ -301,30 +299,34 @@ class _Reader:
         self.key = key
         self.ranks = set(ranks)
         self.count = 0
-        self.names: set[str] = set()
+        self.listed = 0  # how much of the index has been read (it only grows)
         self.said: dict[int, Any] = {}
         self.gone: set[int] = set()
-        self.version = 0  # how many times answers came in
+        self.fresh: list[int] = []  # the ranks the last read found said or gone
 
     def read(self) -> tuple[dict[int, Any], set[int]]:
         """The answers of the workers of ``ranks`` so far, and those of them found gone
         (Note [A verdict said once])."""
+        self.fresh = []
         count = int(self.store.add(f"{self.key}/n", 0))
         if count == self.count:
             return self.said, self.gone
         self.count = count
-        listed = self.store.get(f"{self.key}/index").decode().split(",")
-        new = [name for name in dict.fromkeys(listed) if name and name not in self.names]
+        index = self.store.get(f"{self.key}/index")
+        # Only what was appended since the last read is parsed: O(new answers).
+        new = list(dict.fromkeys(n for n in index[self.listed :].decode().split(",") if n))
+        self.listed = len(index)
         if not new:
             return self.said, self.gone
-        self.names.update(new)
-        self.version += 1
         for raw in self.store.multi_get([f"{self.key}/{name}" for name in new]):
             first, second = json.loads(raw)
             if first == _GONE:
-                self.gone.add(int(second))
-            elif first in self.ranks:
-                self.said.setdefault(int(first), second)
+                if int(second) not in self.gone:
+                    self.gone.add(int(second))
+                    self.fresh.append(int(second))
+            elif first in self.ranks and int(first) not in self.said:
+                self.said[int(first)] = second
+                self.fresh.append(int(first))
         return self.said, self.gone
 
 
@@ -335,12 +337,11 @@ def _said(store: dist.Store, key: str, ranks: list[int]) -> tuple[dict[int, Any]
 
 
 def _watched(
-    order: list[int], me: int, said: dict[int, Any], gone: set[int], pending: list[int]
+    order: list[int], me: int, said: dict[int, Any], gone: set[int], pending: set[int]
 ) -> list[int]:
     """Note [Each silent worker watched once]: the workers whose beats ``me`` watches:
     the ``pending`` ones after it in the set's ``order`` (around the ring) up to the
     next worker that answered and is not gone, and that worker too."""
-    waiting = set(pending)
     at = order.index(me)
     watched = []
     for step in range(1, len(order)):
@@ -348,7 +349,7 @@ def _watched(
         if r in said and r not in gone:
             watched.append(r)
             break
-        if r in waiting:
+        if r in pending:
             watched.append(r)
     return watched
 

@@ -680,6 +680,10 @@ class Rendezvous:
         members = json.loads(job.get(_MEMBERS))
         keys = [f"{members['prefix']}/probe/{r}" for r in members["ranks"]]
         store = self._main_store
+        # One request for all, as the members' are published together; one each (two
+        # requests) only while some are missing, which multi_get would wait for.
+        if keys and store.check(keys):
+            return [value.decode() for value in store.multi_get(keys)]
         return [store.get(key).decode() for key in keys if store.check([key])]
 
     # ---- knocking (Note [Joining a running job], vflow/elastic/admission.py) ---------
