@@ -135,7 +135,7 @@ BENCHMARKS: dict[str, Benchmark] = {
             "a simulated crash's agreement and a knock's admission, N = 8 ... 1,024",
             False,
             # The quick run (N = 8 and 64) takes about a minute on 2 cores; the full one
-            # (to N = 1,024) about 15 minutes.
+            # (to N = 1,024) about 8 minutes.
             300,
             2400,
         ),
