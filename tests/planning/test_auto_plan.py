@@ -3,11 +3,13 @@ profiles (the multi-rank runs are in tests/planning/test_heterogeneous.py)."""
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
 import pytest
 
 from vflow.mapping.batching import split_sizes
 from vflow.mapping.plan import Plan
-from vflow.planning.auto_plan import AutoPlan
+from vflow.planning.auto_plan import LEARNED_WORDS, AutoPlan, Learned, from_words, to_words
 from vflow.planning.profile import StepProfile, VNProfile, WorkerProfile
 
 V, B = 12, 120
@@ -248,3 +250,135 @@ def test_a_refused_settled_look_is_weighed_again_on_more_profiles() -> None:
         ("settled", True),
     ]
     assert [c.reason for c in auto.history] == ["profiled", "settled"]
+
+
+# ---- across worker sets (Note [Plans across worker sets]) ----------------------------
+
+
+def _learned_on(speeds: list[float], warmup: int = 2) -> AutoPlan:
+    """An AutoPlan that profiled ``warmup`` steps of workers at ``speeds`` on the even
+    plan, quiet (no noise), and took whatever plan that implied."""
+    plan = Plan.even(V, len(speeds))
+    auto = _started(AutoPlan(warmup=warmup), plan, speeds)
+    for step in range(1, warmup + 1):
+        plan = auto.observe(_profile(plan, speeds, step), plan, B, step + 1) or plan
+    return auto
+
+
+def test_a_worker_set_learns_each_worker_after_its_warmup() -> None:
+    plan = Plan.even(V, 2)
+    auto = _started(AutoPlan(warmup=2), plan, [1e-3, 3e-3])
+    assert auto.observe(_profile(plan, [1e-3, 3e-3], 1), plan, B, 2) is None
+    assert auto.learned(1) is None  # one profile: a warm-up cut short says too little
+    auto.observe(_profile(plan, [1e-3, 3e-3], 2), plan, B, 3)
+    slow = auto.learned(1)
+    fast = auto.learned(0)
+    assert slow is not None and fast is not None
+    # Per sample (one VN size: no per-VN part), the comm as the fixed part, no noise.
+    assert astuple(slow) == pytest.approx((0.0, 3e-3, 0.01, 0.0, 2))
+    assert astuple(fast) == pytest.approx((0.0, 1e-3, 0.01, 0.0, 2))
+    # It travels as int64 words, every float bit for bit.
+    assert from_words(to_words(slow)) == slow and len(to_words(slow)) == LEARNED_WORDS
+    assert from_words(to_words(None)) is None
+    with pytest.raises(ValueError, match="words must hold 5 ints, got 2"):
+        from_words((1, 2))
+    with pytest.raises(ValueError, match="noise_s must be finite and >= 0"):
+        Learned(1e-3, 1e-3, 0.0, -1.0, 2)
+    with pytest.raises(ValueError, match="profiles must be >= 1"):
+        Learned(1e-3, 1e-3, 0.0, 0.0, 0)
+    with pytest.raises(TypeError, match=r"brought\[1\] must be a vflow.planning.auto_plan"):
+        auto.carry([slow, "fast"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="rank must be < 2, the workers profiled"):
+        auto.learned(2)
+
+
+def test_a_shrink_plans_at_once_from_what_the_workers_that_stayed_brought() -> None:
+    old = _learned_on([1e-3, 3e-3, 1e-3])
+    before = len(old.decisions)
+    # Old rank 0 left: old 1 (slow) is rank 0 of the new set, old 2 rank 1.
+    brought = [old.learned(1), old.learned(2)]
+    # The stayers' planners carry it, and so would a newcomer's (a fresh one): the
+    # same table, the same planner, the same decisions.
+    fresh = AutoPlan(warmup=2)
+    even = Plan.even(V, 2)
+    for auto in (old, fresh):
+        auto.carry(brought)
+        assert auto.learned(0) == brought[0] and auto.learned(1) == brought[1]  # remapped
+        # On the new set's first step, which has no profile yet: 3x slower at 10
+        # samples a VN, [3, 9] balances (0.09 s each).
+        assert auto.observe(None, even, B, 5) == Plan(counts=[3, 9])
+    assert old.decisions[before:] == fresh.decisions
+    (carried,) = fresh.decisions
+    assert (carried.step, carried.reason, carried.taken) == (5, "carried", True)
+    assert carried.predicted_current_s == pytest.approx(6 * 0.03 + 0.01)
+    assert [c.reason for c in old.history][-1] == "carried"  # history goes on
+    # No fresh warm-up: the first step ran under the even plan (ignored), and three
+    # profiles of [3, 9] (the drift rule's patience) settle it.
+    plan, speeds = Plan(counts=[3, 9]), [3e-3, 1e-3]
+    for auto in (old, fresh):
+        assert auto.observe(_profile(even, speeds, 4), plan, B, 6) is None
+        for step in range(5, 8):
+            assert auto.observe(_profile(plan, speeds, step), plan, B, step + 1) is None
+    assert [(d.reason, d.proposed) for d in fresh.decisions] == [
+        ("carried", plan),
+        ("settled", plan),  # speeds as brought: nothing better
+    ]
+    assert old.decisions[before:] == fresh.decisions
+
+
+def test_a_grow_plans_newcomers_at_the_median_then_profiles_the_new_set() -> None:
+    old = _learned_on([1e-3, 3e-3])
+    # Rank 0 of the new set is old rank 1 (slow), rank 1 a newcomer, rank 2 old rank 0.
+    brought = [old.learned(1), None, old.learned(0)]
+    auto = AutoPlan(warmup=2)
+    auto.carry(brought)
+    assert (auto.learned(0), auto.learned(1), auto.learned(2)) == tuple(brought)
+    even = Plan.even(V, 3)
+    # The newcomer is assumed as fast as the lower median of the two (old rank 0): at
+    # 10 samples a VN the slowest predicted compute is 0.06 s (the slow worker's 2 VNs
+    # or a fast worker's 6), not the even plan's 0.12 s.
+    plan = auto.observe(None, even, B, 5)
+    assert plan is not None and plan.counts[0] <= 2
+    assert auto.decisions[0].predicted_proposed_s == pytest.approx(0.06 + 0.01)
+    assert plan.sizes is None  # kind="counts": deterministic mode's kind still holds
+    # The newcomer turns out 2x slower than assumed: after the warm-up on profiles of
+    # the new set (the first step's, under the even plan, ignored) it gets fewer VNs.
+    speeds = [3e-3, 2e-3, 1e-3]
+    assert auto.observe(_profile(even, speeds, 4), plan, B, 6) is None
+    assert auto.observe(_profile(plan, speeds, 5), plan, B, 7) is None
+    profiled = auto.observe(_profile(plan, speeds, 6), plan, B, 8)
+    assert profiled is not None and profiled.counts[1] < profiled.counts[2]
+    assert [(d.step, d.reason) for d in auto.decisions] == [(5, "carried"), (8, "profiled")]
+    assert auto.learned(1) is not None  # now learned on the new set
+
+
+def test_with_nothing_brought_a_new_set_profiles_from_scratch() -> None:
+    auto = AutoPlan(warmup=2)
+    auto.carry([None, None])
+    even = Plan.even(V, 2)
+    assert auto.observe(None, even, B, 1) is None and auto.decisions == []
+    assert auto.observe(_profile(even, [1e-3, 2e-3], 0), even, B, 2) is None  # first: unused
+    assert auto.observe(_profile(even, [1e-3, 2e-3], 1), even, B, 3) is None
+    assert auto.observe(_profile(even, [1e-3, 2e-3], 2), even, B, 4) == Plan(counts=[8, 4])
+    assert [d.reason for d in auto.decisions] == ["profiled"]
+    # A hand-set plan (set_plan's reset) before the set's first step: weighed from
+    # its own profiles, not from what was brought.
+    hand = AutoPlan(warmup=2)
+    hand.carry([Learned(0.0, 1e-3, 0.0, 0.0, 2), Learned(0.0, 2e-3, 0.0, 0.0, 2)])
+    hand.reset()
+    assert hand.observe(None, even, B, 1) is None and hand.decisions == []
+
+
+def test_what_a_rank_did_before_its_set_does_not_set_its_back_off() -> None:
+    # The old set changed even -> [8, 4]: a change back to even soon is a return.
+    old = _learned_on([1e-3, 2e-3])
+    assert [(c.old, c.new) for c in old.history] == [(Plan.even(V, 2), Plan(counts=[8, 4]))]
+    # A worker replaced by an equally fast one: the new set starts on [8, 4] and the
+    # carried plan is even, the plan the old set left, which the stayer remembers and
+    # the newcomer cannot: both must decide alike, so it is no return.
+    brought = [old.learned(0), None]
+    fresh = AutoPlan(warmup=2)
+    for auto in (old, fresh):
+        auto.carry(brought)
+        assert auto.observe(None, Plan(counts=[8, 4]), B, 5) == Plan.even(V, 2)
+        assert auto.drift_patience == auto.patience

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import vflow
 from tests.support import models
+from vflow.planning.emulation import SlowDown
 from vflow.world.launch import run_ranks
 
 V = 6
@@ -273,3 +274,107 @@ def _one_member_ahead(rank: int, world_size: int) -> dict[str, Any]:
     step_count = ex.step_count
     ex.close()
     return {"errors": errors, "state": state, "step_count": step_count}
+
+
+# ---- plan="auto" keeps what it learned across worker sets ------------------------------
+
+AUTO_V, AUTO_B, PAIR_STEPS, TRIO_STEPS, AGAIN_STEPS = 12, 192, 7, 3, 3
+
+
+def _auto_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(128, 768), torch.nn.Tanh(), torch.nn.Linear(768, 10))
+
+
+def _auto_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def _decisions(ex: vflow.Executor) -> list[tuple[int, str, tuple[int, ...], bool, float, float]]:
+    return [
+        (d.step, d.reason, d.proposed.counts, d.taken, d.predicted_current_s, d.noise_band_s)
+        for d in ex.plan_decisions
+    ]
+
+
+def _auto_across_sets(rank: int, world_size: int) -> dict[str, Any]:
+    """Ranks 0 and 1 (rank 1 emulated 10x slower: so much that the cores' contention,
+    which slows a computing worker and not a sleeping one, cannot hide it) train with
+    plan="auto"; rank 2 joins them (a grow); then rank 2 is gone and the others drop the
+    group (abort_group, as after a crash) and form a pair again (a shrink)."""
+    torch.set_num_threads(1)
+    pair, trio, again = (dist.new_group(r) for r in ([0, 1], [0, 1, 2], [0, 1]))
+    gen = torch.Generator().manual_seed(3)
+    batches = [
+        (torch.randn(AUTO_B, 128, generator=gen), torch.randint(0, 10, (AUTO_B,), generator=gen))
+        for _ in range(PAIR_STEPS + TRIO_STEPS + AGAIN_STEPS)
+    ]
+    loss = SlowDown(_auto_loss, 10.0) if rank == 1 else _auto_loss
+    model = _auto_model()
+
+    def executor(group: Any) -> vflow.Executor:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        return vflow.Executor(
+            model, optimizer, loss, AUTO_V, plan="auto", process_group=group, timeout=60
+        )
+
+    out: dict[str, Any] = {}
+    if rank < 2:
+        ex = executor(pair)
+        for batch in batches[:PAIR_STEPS]:
+            ex.step(batch)
+        out["pair"] = _decisions(ex)
+        out["pair history"] = list(ex.plan_history)
+        ex.reconfigure(trio)
+    else:
+        ex = executor(trio)  # a newcomer: its planner has seen nothing
+    trio_plans = []
+    for batch in batches[PAIR_STEPS : PAIR_STEPS + TRIO_STEPS]:
+        ex.step(batch)
+        trio_plans.append(ex.plan.counts)
+    out["trio"] = _decisions(ex)
+    out["trio plans"] = trio_plans
+    if rank == 2:
+        ex.close()
+        return out
+    ex.abort_group()
+    ex.reconfigure(again)
+    for batch in batches[PAIR_STEPS + TRIO_STEPS :]:
+        ex.step(batch)
+    out["again"] = _decisions(ex)
+    out["history"] = list(ex.plan_history)
+    ex.close()
+    return out
+
+
+@pytest.mark.alone  # the planner's models read step times
+def test_an_automatic_plan_keeps_what_it_learned_across_a_grow_and_a_shrink() -> None:
+    results = [r.value for r in run_ranks(3, _auto_across_sets, timeout=240)]
+    stayers = results[:2]
+    before = len(stayers[0]["pair"])
+    # The grow: on the trio's first step every rank, the newcomer included, weighs the
+    # plan from the pair's models (the newcomer assumed as fast as the faster of them):
+    # the same decision everywhere, to the bit of its predicted step and noise band, and
+    # the slow rank 1 gets the fewest VNs (the fast ones may tie: the step is the
+    # slowest worker's).
+    trio = [r["trio"][before:] for r in stayers] + [results[2]["trio"]]
+    assert trio[0] == trio[1] == trio[2]
+    step, reason, proposed, taken, _, _ = trio[0][0]
+    assert (step, reason) == (PAIR_STEPS + 1, "carried")
+    assert proposed[1] == min(proposed) < AUTO_V // 3, proposed  # below its even share
+    if taken:  # from the trio's second step on
+        assert all(r["trio plans"] == [proposed] * TRIO_STEPS for r in results)
+    # The planner's record goes on across the change of worker set.
+    for result in stayers:
+        assert result["trio"][:before] == result["pair"]
+        assert result["history"][: len(result["pair history"])] == result["pair history"]
+    # The shrink, after the trio ran too few steps to learn anything of its own: the
+    # stayers bring what they brought to it, and plan at once, without a warm-up.
+    first_again = PAIR_STEPS + TRIO_STEPS + 1
+    again = [r["again"][len(r["trio"]) :] for r in stayers]
+    assert again[0] == again[1]
+    step, reason, proposed, _, _, _ = again[0][0]
+    assert (step, reason) == (first_again, "carried")
+    assert proposed[1] < proposed[0], proposed
+    assert all(d[1] != "profiled" for d in again[0])

@@ -164,23 +164,30 @@ def _join_as(rank: int, world_size: int) -> dict[str, Any]:
             held[key] = value.clone()
         return lambda: held.update(previous)
 
-    join(
+    notes = join(
         world,
         [],
-        Candidate(member, 7 if member else 0, "progress" if member else f"new {rank}"),
+        Candidate(
+            member,
+            7 if member else 0,
+            "progress" if member else f"new {rank}",
+            notes=(rank, -(2**62) - rank),
+        ),
         state=state,
         load_state=load_state,
         fresh_start=lambda: None,
     )
-    return {"held": held, "calls": calls}
+    return {"held": held, "calls": calls, "notes": notes}
 
 
 def test_a_join_sends_the_state_to_the_newcomers_only() -> None:
     """Note [Sending the training state]: the members' states stay as they were, bit for
     bit; every newcomer ends with the members' state; each member packs its state only
     if it serves a newcomer (striped: rank 0 serves 2 and 4, rank 1 serves 3) and loads
-    nothing."""
+    nothing. Every rank reads every rank's notes (Note [Joining a worker set])."""
     results = {r.rank: r.value for r in run_ranks(5, _join_as, timeout=120)}
+    for value in results.values():
+        assert value["notes"] == [(r, -(2**62) - r) for r in range(5)]
     member_state = results[0]["held"]
     assert torch.equal(member_state["w"], torch.full((3,), 1.5))
     assert torch.equal(member_state["big"], torch.arange(5 << 19, dtype=torch.float64))

@@ -970,7 +970,11 @@ class _StepRun:
 # every process reads the same replica profiles back and decides the same plan. A
 # plan never leaves a replica fewer VNs than 1F1B needs (one per stage). The profiles
 # do not model the pipeline's own bubble, (S - 1) slots per replica: it is part of
-# what the planner sees as the step's fixed time.
+# what the planner sees as the step's fixed time. ``reconfigure`` (and ``set_plan``)
+# start the planner over, unlike vflow.Executor's (Note [Plans across worker sets]): a
+# grid's join runs stage by stage, and every process of the grid would have to carry
+# the same replicas' models for their decisions to stay alike; nothing makes the
+# stages' tables agree yet.
 
 
 @dataclasses.dataclass(frozen=True)

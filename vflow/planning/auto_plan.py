@@ -52,12 +52,57 @@ at the same step, without an agreement round.
   halve it again. So a noisy machine settles on a plan, while a machine that was quiet
   for a while still reacts to a straggler within ``patience`` steps.
 * Profiles of another plan (the one step in flight when the plan changes) are ignored.
+* A change of worker set keeps what was learned about the workers that stayed (Note
+  [Plans across worker sets], below).
 
 ``Executor.plan_history`` lists the changes with their predicted step times,
 ``Executor.plan_decisions`` every decision.
 
 On one process there is one worker and nothing to plan: ``check`` warns, and the plan
 stays ``[V]``.
+
+Note [Plans across worker sets]
+A worker's speed does not change when the worker set does, so what a set learned about
+its workers goes with them to the next set (``Executor.reconfigure``: a grow, a shrink
+after a crash or a leave) instead of being profiled again from scratch.
+
+* What travels. Each worker brings ``learned(rank)`` about itself: its cost model
+  (Note [The planner's model]) fitted on the last ``warmup`` profiles of its set (of
+  any plan: a VN's cost does not depend on the plan), with that set's fixed part of a
+  step, its step noise and how many profiles they were measured on (``Learned``).
+  Nothing before the set has ``warmup`` profiles (a warm-up cut short says too little);
+  then a worker still brings what it brought to that set, so that knowledge survives
+  reconfigures in a row (a recovery retried). It travels as a few int64 words in the
+  all-gather that every change of worker set already runs (Note [Joining a worker
+  set], vflow/world/membership.py), so every rank of the new set — newcomers included,
+  whose planner has seen nothing — reads the same table and ``carry`` sets every rank's
+  planner alike: every per-set state is rebuilt from the table, none is kept from the
+  rank's own past (not even the plan the last change left, which the back-off compares
+  with), so the ranks go on deciding alike without an agreement round. A worker
+  speaks only for itself, so nothing has to say which rank it had before, and workers
+  from different previous sets cannot be confused.
+* The first plan ("carried") is weighed on the new set's first step, the earliest one
+  at which every rank holds the plan in force and the batch size: the workers that
+  brought a model keep it, each newcomer is assumed as fast as the median of them
+  (the lower median, a model that was measured), the fixed part and the noise are the
+  (lower) medians of what was brought, and the proposal must beat the noise band on
+  the number of profiles they came from, as any proposal does. A change runs from
+  the next step that no rank has drawn ahead (Note [Plan changes wait for the data]).
+* Then, when every worker brought a model (a shrink), the plan counts as planned and
+  is weighed once more ("settled") on profiles of the new set, as after any change:
+  the fixed part of a step and the contention of the new set are not the old one's;
+  the drift rule watches from that look on. When newcomers came (a grow), their speeds
+  are a guess: the new set profiles as a fresh one does and weighs the plan on
+  ``warmup`` profiles of its own ("profiled"), every worker's speed measured anew.
+* An executor that drops its broken group (``Executor.abort_group``, before the
+  survivors form their set again) keeps what its planner learned: the crash's
+  survivors bring it to their next set.
+* The new set's first step pays one-time costs for every worker, stayers included (the
+  new group's first collectives, the statistics' new layout, a newcomer's first
+  allocations): its profile is not used, as on a fresh set. If the carried plan was
+  taken, that step ran under the plan it replaced and its profile is ignored anyway.
+* ``reset`` (``set_plan``) keeps its meaning: the same workers, profiled again from the
+  hand-set plan. The pipeline executor does not carry: it starts over on a new grid.
 """
 
 from __future__ import annotations
@@ -65,6 +110,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import struct
 import warnings
 from collections import deque
 from collections.abc import Sequence
@@ -94,7 +140,9 @@ class PlanChange:
     step: the first step run under ``new``, if the run goes on that long: a change
       decided when the run's remaining batches are all drawn names the step after them.
     reason: "profiled" (the first plan from the warm-up), "settled" (the plan weighed
-      again on profiles of the plan just taken) or "drift" (speeds changed).
+      again on profiles of the plan just taken), "drift" (speeds changed) or "carried"
+      (a new worker set's first plan, from what its workers brought: Note [Plans across
+      worker sets]).
     predicted_old_s / predicted_new_s: the model's step time of each plan when the
       change was decided; the gain is their ratio.
     """
@@ -113,8 +161,9 @@ class PlanDecision:
     """One time the automatic planner weighed a plan against the current one.
 
     step: the step the proposal would have run from.
-    reason: "profiled" (after the warm-up), "settled" (on the plan just taken) or
-      "drift" (speeds changed).
+    reason: "profiled" (after the warm-up), "settled" (on the plan just taken),
+      "drift" (speeds changed) or "carried" (on a new worker set's first step, from
+      what its workers brought).
     current / proposed: the plan in force and the model's best (equal when the current
       plan is already the best).
     predicted_current_s / predicted_proposed_s: their model step times.
@@ -152,6 +201,62 @@ class PlanDecision:
             f"{self.predicted_gain:.2f}x ({saving_ms:.2g} ms), {verdict} the noise band "
             f"({1e3 * self.noise_band_s:.2g} ms)"
         )
+
+
+@dataclass(frozen=True)
+class Learned:
+    """What a worker set's automatic planner learned about one of its workers, which the
+    worker brings to its next set (Note [Plans across worker sets]).
+
+    per_vn_s / per_sample_s: the worker's cost model (``planner.WorkerModel``).
+    fixed_s: the set's fixed part of a step (``planner.fixed_step_s``).
+    noise_s: the set's step-time noise (``planner.step_noise_s``).
+    profiles: how many profiles the model was fitted on.
+    """
+
+    per_vn_s: float
+    per_sample_s: float
+    fixed_s: float
+    noise_s: float
+    profiles: int
+
+    def __post_init__(self) -> None:
+        for name in ("per_vn_s", "per_sample_s", "fixed_s", "noise_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+        if isinstance(self.profiles, bool) or not isinstance(self.profiles, int):
+            raise TypeError(f"profiles must be an int, got {type(self.profiles).__name__}")
+        if self.profiles < 1:
+            raise ValueError(f"profiles must be >= 1, got {self.profiles}")
+
+    def model(self, max_vn_size: int | None = None) -> planner.WorkerModel:
+        return planner.WorkerModel(self.per_vn_s, self.per_sample_s, max_vn_size)
+
+
+# Note [Plans across worker sets]: a Learned as int64 words in the join's all-gather:
+# its profile count (0: nothing learned), then its four floats' IEEE 754 bits.
+LEARNED_WORDS = 5
+
+
+def to_words(learned: Learned | None) -> tuple[int, ...]:
+    """``learned`` as LEARNED_WORDS int64 words (all 0 for None)."""
+    if learned is None:
+        return (0,) * LEARNED_WORDS
+    floats = (learned.per_vn_s, learned.per_sample_s, learned.fixed_s, learned.noise_s)
+    return (learned.profiles, *struct.unpack("<4q", struct.pack("<4d", *floats)))
+
+
+def from_words(words: Sequence[int]) -> Learned | None:
+    """The Learned that ``to_words`` wrote into ``words``, or None."""
+    if len(words) != LEARNED_WORDS:
+        raise ValueError(f"words must hold {LEARNED_WORDS} ints, got {len(words)}: {words!r}")
+    if words[0] == 0:
+        return None
+    floats = struct.unpack("<4d", struct.pack("<4q", *words[1:]))
+    return Learned(*floats, profiles=int(words[0]))
 
 
 def _counts(plan: Plan) -> str:
@@ -241,6 +346,14 @@ class AutoPlan:
         self._backoff = 1
         self._quiet_steps = 0
         self._since_change = 0
+        # The plan the last change of this worker set left: a change back to it soon is
+        # noise (the back-off). Per set, so that every rank of a set holds the same one
+        # (a newcomer has no history of the sets before).
+        self._left: Plan | None = None
+        # Note [Plans across worker sets]: what each worker of this set brought from its
+        # previous one, and whether the set's first step is still to weigh it.
+        self._brought: tuple[Learned | None, ...] = ()
+        self._weigh_brought = False
 
     def __repr__(self) -> str:
         return (
@@ -272,7 +385,8 @@ class AutoPlan:
             )
 
     def reset(self) -> None:
-        """Forgets the profiles (a new worker set: other workers, other speeds)."""
+        """Forgets the profiles and profiles again from the plan in force (a hand-set
+        plan: ``set_plan``)."""
         self._recent.clear()
         self._noise_window.clear()
         self._looks = ()
@@ -284,6 +398,50 @@ class AutoPlan:
         self._backoff = 1
         self._quiet_steps = 0
         self._since_change = 0
+        self._weigh_brought = False
+
+    def carry(self, brought: Sequence[Learned | None]) -> None:
+        """Starts a new worker set whose rank w brought ``brought[w]`` from its previous
+        set (``learned`` there; None: nothing, a newcomer). Note [Plans across worker
+        sets]: the same ``brought`` leaves every rank's planner in the same state,
+        whatever it learned before; with nothing brought, the set profiles from
+        scratch. ``history`` and ``decisions`` go on."""
+        if isinstance(brought, (str, bytes)) or not isinstance(brought, Sequence):
+            raise TypeError(
+                f"brought must be a sequence of Learned or None, got {type(brought).__name__}"
+            )
+        for w, item in enumerate(brought):
+            if item is not None and not isinstance(item, Learned):
+                raise TypeError(
+                    f"brought[{w}] must be a vflow.planning.auto_plan.Learned or None, got "
+                    f"{type(item).__name__}"
+                )
+        self.reset()
+        self._left = None
+        self._brought = tuple(brought)
+        self._weigh_brought = any(item is not None for item in brought)
+
+    def learned(self, rank: int) -> Learned | None:
+        """What this worker set learned about its worker ``rank``, for it to bring to its
+        next set (Note [Plans across worker sets]): fitted on the last ``warmup``
+        profiles once there are that many; before, what the worker brought to this set."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank must be an int >= 0, got {rank!r}")
+        wanted = min(self.warmup, NOISE_WINDOW)
+        if len(self._noise_window) < wanted:
+            return self._brought[rank] if rank < len(self._brought) else None
+        profiles = list(self._noise_window)[-wanted:]
+        workers = len(profiles[0].workers)
+        if rank >= workers:
+            raise ValueError(f"rank must be < {workers}, the workers profiled, got {rank}")
+        model = planner.models_from_profiles(profiles)[rank]
+        return Learned(
+            model.per_vn_s,
+            model.per_sample_s,
+            planner.fixed_step_s(profiles),
+            planner.step_noise_s(list(self._noise_window)),
+            len(profiles),
+        )
 
     @property
     def drift_patience(self) -> int:
@@ -293,17 +451,21 @@ class AutoPlan:
 
     def observe(
         self,
-        profile: StepProfile,
+        profile: StepProfile | None,
         plan: Plan,
         batch_size: int,
         next_step: int,
         min_vns: int = 1,
     ) -> Plan | None:
-        """Takes every worker's profile of a step; returns the plan to run from
+        """Takes every worker's profile of a step, or None after a worker set's first
+        step, which has none yet (Note [Profiles]); returns the plan to run from
         ``next_step`` on, or None to keep ``plan``. Plans give every worker at least
         ``min_vns`` VNs."""
         self._min_vns = min_vns
-        if not _ran(profile, plan, batch_size):
+        if self._weigh_brought:
+            self._weigh_brought = False
+            return self._weigh_carried(profile, plan, batch_size, next_step)
+        if profile is None or not _ran(profile, plan, batch_size):
             return None
         if not self._seen_first:
             # The first step of an executor or of a worker set pays one-time costs
@@ -358,21 +520,81 @@ class AutoPlan:
         self._look_reason = reason
         return new
 
+    def _weigh_carried(
+        self, profile: StepProfile | None, plan: Plan, batch_size: int, next_step: int
+    ) -> Plan | None:
+        """Note [Plans across worker sets]: the new set's first plan, from what its
+        workers brought; a newcomer is assumed as fast as the median worker that brought
+        a model. ``profile``, if any, is the set's first (one-time costs): not used."""
+        brought = self._brought
+        if len(brought) != plan.num_workers:
+            return None  # not this set's plan: profile from scratch
+        known = [item for item in brought if item is not None]
+        size = max(1, batch_size // plan.virtual_nodes)
+        # The lower median by the cost of a VN at the current size: a model measured.
+        ranked = sorted(known, key=lambda item: (item.model().seconds(1, size), item.per_vn_s))
+        median = ranked[(len(ranked) - 1) // 2]
+        caps = self.max_vn_size or [None] * len(brought)
+        models = [
+            (median if item is None else item).model(cap)
+            for item, cap in zip(brought, caps, strict=True)
+        ]
+        new = self._weigh(
+            models,
+            statistics.median_low(item.fixed_s for item in known),
+            statistics.median_low(item.noise_s for item in known),
+            min(item.profiles for item in known),
+            plan,
+            batch_size,
+            next_step,
+            "carried",
+        )
+        # Stayers only: planned, to be weighed again on the new set's own profiles.
+        # With newcomers: their speeds are a guess, so the set profiles as a fresh one.
+        self._planned = self._settling = len(known) == len(brought)
+        # The first step's profile, not used: the one given now, or, if the plan stays,
+        # the one the next step brings (a change makes it another plan's).
+        self._seen_first = new is not None or profile is not None
+        return new
+
     def _decide(
         self, profiles: list[StepProfile], plan: Plan, batch_size: int, next_step: int, reason: str
     ) -> Plan | None:
-        models = planner.models_from_profiles(profiles, self.max_vn_size)
-        fixed = planner.fixed_step_s(profiles)
+        return self._weigh(
+            planner.models_from_profiles(profiles, self.max_vn_size),
+            planner.fixed_step_s(profiles),
+            # Measured on the last NOISE_WINDOW profiles: a drift's window of a few
+            # steps says little about it.
+            planner.step_noise_s(list(self._noise_window)),
+            len(profiles),
+            plan,
+            batch_size,
+            next_step,
+            reason,
+        )
+
+    def _weigh(
+        self,
+        models: list[planner.WorkerModel],
+        fixed: float,
+        noise_s: float,
+        evidence: int,
+        plan: Plan,
+        batch_size: int,
+        next_step: int,
+        reason: str,
+    ) -> Plan | None:
+        """The model's best plan against ``plan``, taken when its saving beats the
+        noise band on ``evidence`` profiles (Note [Automatic plans])."""
         current = planner.predict(plan, models, batch_size, fixed)
         if self.kind == "counts":
             best = planner.plan_counts(models, plan.virtual_nodes, batch_size, fixed, self._min_vns)
         else:
             best = planner.plan_sizes(models, plan.virtual_nodes, batch_size, fixed)
-        # The standard error of the difference of two step times averaged over the
-        # window: what comparing two plans measured for that long could not resolve.
-        # The noise itself is measured on the last NOISE_WINDOW profiles (a drift's
-        # window of a few steps says little about it).
-        noise = planner.step_noise_s(list(self._noise_window)) * math.sqrt(2 / len(profiles))
+        # The standard error of the difference of two step times averaged over
+        # ``evidence`` profiles: what comparing two plans measured for that long could
+        # not resolve.
+        noise = noise_s * math.sqrt(2 / evidence)
         band = max(self.min_gain * current.step_s, self.noise_sigmas * noise)
         taken = best.plan != plan and current.step_s - best.step_s > band
         decision = PlanDecision(
@@ -394,8 +616,9 @@ class AutoPlan:
         # profiles of its own (not after that look's own change: no chain of looks).
         self._settling = reason != "settled"
         quick = self._since_change < self.patience * RECOVERY_STEPS
-        if quick and self.history and best.plan == self.history[-1].old:
+        if quick and best.plan == self._left:
             self._backoff = min(2 * self._backoff, MAX_BACKOFF)
+        self._left = plan
         self._quiet_steps = self._since_change = 0
         change = PlanChange(next_step, plan, best.plan, reason, current.step_s, best.step_s, band)
         self.history.append(change)

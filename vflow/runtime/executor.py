@@ -277,12 +277,18 @@ class Executor:
         self._params = params
         self._world = world
         self._plan = plan
+        # The rank of this executor's worker in the worker set its automatic planner
+        # learned about (Note [Plans across worker sets]).
+        self._auto_rank = world.rank
         try:
             reduction.apply_world(prepared)
-            membership.join(
+            notes = membership.join(
                 world,
                 self._agreement_columns(plan, params),
-                membership.Candidate(member=False, step_count=0, progress=""),
+                # A new executor has learned nothing (as many words as a member sends).
+                membership.Candidate(
+                    member=False, step_count=0, progress="", notes=auto_plan.to_words(None)
+                ),
                 state=self.state_dict,
                 load_state=self._load_received_state,
                 fresh_start=lambda: self._broadcast_initial(world, params),
@@ -290,6 +296,10 @@ class Executor:
         except BaseException:
             self._grads.close()
             raise
+        if auto is not None:
+            # Members that move onto this group bring what they learned: a newcomer's
+            # planner must start from the same table as theirs.
+            auto.carry([auto_plan.from_words(words) for words in notes])
         self._stats = StatsLayout(config.virtual_nodes, world.size)
         self._own_profile: WorkerProfile | None = None
         self._buffers = BufferRule(
@@ -476,7 +486,7 @@ class Executor:
         if self._auto is not None:
             self._auto.check(bool(config.deterministic), world.size)
         progress = training_state.Progress(self.step_count, self.skipped_steps, self.seed)
-        membership.join(
+        notes = membership.join(
             world,
             self._agreement_columns(plan, self._params),
             membership.Candidate(
@@ -486,6 +496,7 @@ class Executor:
                     (progress, None if self.scaler is None else self.scaler.state_dict())
                 ),
                 catch_up=catch_up,
+                notes=self._learned_words(),
             ),
             state=self.state_dict,
             load_state=self._load_received_state,
@@ -493,6 +504,10 @@ class Executor:
         )
         self.config = config
         self._take_world(world, plan, prepared)
+        if self._auto is not None:
+            # Note [Plans across worker sets]: every rank from the same table.
+            self._auto.carry([auto_plan.from_words(words) for words in notes])
+        self._auto_rank = world.rank
 
     def abort_group(self) -> None:
         """Drops this executor's process group now, after a ``CollectiveError``: its
@@ -500,7 +515,10 @@ class Executor:
         collective fail now rather than at their timeout (a Gloo collective cannot be
         cancelled otherwise). The executor runs alone (plan ``[V]``) until the next
         ``reconfigure``; its training state is untouched. An NCCL group is aborted as
-        well: its communicators, unlike Gloo's sockets, outlive the last reference."""
+        well: its communicators, unlike Gloo's sockets, outlive the last reference.
+        Under ``plan="auto"`` the planner keeps what it learned about this worker, which
+        the next ``reconfigure`` brings to the survivors' set (Note [Plans across worker
+        sets], vflow/planning/auto_plan.py)."""
         self._check_open()
         broken = self._world.group
         if broken is not None and backend_name(broken) == "nccl":
@@ -509,8 +527,17 @@ class Executor:
         plan = Plan.even(self.virtual_nodes, 1)
         self._take_world(world, plan, self._grads.reduction.prepare_world(plan, world.rank))
 
+    def _learned_words(self) -> tuple[int, ...]:
+        """What this worker brings to a worker set it joins (Note [Plans across worker
+        sets]): the words of what its automatic planner learned about it, as many with
+        nothing learned or without ``plan="auto"`` (every rank of a join sends as many)."""
+        learned = None if self._auto is None else self._auto.learned(self._auto_rank)
+        return auto_plan.to_words(learned)
+
     def _take_world(self, world: World, plan: Plan, prepared: object) -> None:
-        """Rebuilds what depends on the worker set (the rest of ``reconfigure``)."""
+        """Rebuilds what depends on the worker set (the rest of ``reconfigure``). The
+        automatic planner is left to the caller: ``reconfigure`` carries what the workers
+        brought, ``abort_group`` keeps what it learned for the next set."""
         self._grads.set_world(
             world.group, self.config.timeout.total_seconds(), world.description, prepared
         )
@@ -523,8 +550,6 @@ class Executor:
         self._own_profile = None
         self._gathered = None
         self._last_result = None
-        if self._auto is not None:
-            self._auto.reset()  # other workers, other speeds
 
     @staticmethod
     def _checked_plan(plan: Plan | None, virtual_nodes: int, world_size: int) -> Plan:
@@ -673,9 +698,9 @@ class Executor:
         if self._pending:
             self._apply_due_plans()
         if self._auto is not None and run.gathered is not None and not self._pending:
-            profile = run.gathered.profile
-            if profile is not None:
-                self._follow_auto_plan(profile, total, max(run.leads))
+            # No profile on a worker set's first step: the planner may still decide
+            # from what the workers brought (Note [Plans across worker sets]).
+            self._follow_auto_plan(run.gathered.profile, total, max(run.leads))
         return result
 
     def register_pre_step_hook(self, fn: Callable[[Executor], None]) -> RemovableHandle:
@@ -729,7 +754,7 @@ class Executor:
             "VNBatchSampler then splits the batches under the new plan)"
         )
 
-    def _follow_auto_plan(self, profile: StepProfile, batch_size: int, lead: int) -> None:
+    def _follow_auto_plan(self, profile: StepProfile | None, batch_size: int, lead: int) -> None:
         """Note [Automatic plans]: every rank decides the same from the same profile,
         so the new plan needs no agreement round. It takes effect after the batches any
         rank has drawn (``lead`` steps beyond the one that ran; Note [Plan changes wait

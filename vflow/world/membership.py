@@ -9,7 +9,11 @@ group, a sequence of collectives that every rank issues in the same order:
    of every agreed setting (Note [Agreement], vflow/runtime/config.py); whether the rank is a
    *member* (its executor has been training in this job: ``reconfigure``) or new to it
    (a constructor); a member's step count and a fingerprint of its progress (step
-   counts, seed, loss scaler state).
+   counts, seed, loss scaler state); and the rank's *notes*, a few integers it tells the
+   others about itself (the executor's: what its automatic planner learned about its
+   worker, Note [Plans across worker sets], vflow/planning/auto_plan.py), which
+   ``join`` returns, every rank's in rank order, so that every rank of the new set
+   reads the same ones. Every rank of a join sends as many.
 2. Every rank reads the same table, so every rank decides the same way: all raise if
    any column differs, or if the members are not at the same point of training. Else:
    - nobody is a member (a new job): with ``broadcast_parameters``, rank 0's
@@ -151,6 +155,13 @@ class Candidate:
     step_count: int
     progress: str  # text of its step counts, seed and loss scaler state
     catch_up: bool = False  # a member behind the others may receive their state
+    # Note [Joining a worker set]: int64 words for the others (as many on every rank).
+    notes: tuple[int, ...] = ()
+
+
+# Note [Joining a worker set]: the integers of a row after the columns' fingerprints and
+# before the notes.
+_CANDIDATE_INTS = 4
 
 
 def join(
@@ -161,28 +172,30 @@ def join(
     state: Callable[[], object],
     load_state: Callable[[object], Callable[[], None]],
     fresh_start: Callable[[], None],
-) -> None:
-    """Runs Note [Joining a worker set] for this rank. ``state`` (on the member that
-    sends) returns the training state, a tree of dicts, lists and tensors;
-    ``load_state`` (on a newcomer) applies it (its tensors are views of a receive
-    buffer: to be copied, not kept) and returns what puts the newcomer's own state
-    back, should another newcomer fail; ``fresh_start`` runs when nobody is a member
-    yet."""
+) -> list[tuple[int, ...]]:
+    """Runs Note [Joining a worker set] for this rank and returns every rank's
+    ``candidate.notes``, in rank order. ``state`` (on the member that sends) returns the
+    training state, a tree of dicts, lists and tensors; ``load_state`` (on a newcomer)
+    applies it (its tensors are views of a receive buffer: to be copied, not kept) and
+    returns what puts the newcomer's own state back, should another newcomer fail;
+    ``fresh_start`` runs when nobody is a member yet."""
     extra = [
         int(candidate.member),
         candidate.step_count,
         fingerprint(candidate.progress),
         int(candidate.catch_up),
+        *candidate.notes,
     ]
     table = _agreement_table(world, columns, extra, None)
-    rows = [r[len(columns) :] for r in table]
+    rows = [r[len(columns) : len(columns) + _CANDIDATE_INTS] for r in table]
+    notes = [tuple(r[len(columns) + _CANDIDATE_INTS :]) for r in table]
     members = [r for r, (member, _, _, _) in enumerate(rows) if member]
     if members:
         _refuse_differing_newcomers(world, columns, table, members)
     _check_table(world, columns, table)
     if not members:
         fresh_start()
-        return
+        return notes
     catch_up = {rows[r][3] for r in members}
     if len(catch_up) > 1:
         raise ValueError(
@@ -202,8 +215,9 @@ def join(
             "form one worker set"
         )
     if len(ahead) == world.size:
-        return
+        return notes
     _send_state(world, ahead, state, load_state)
+    return notes
 
 
 def sources_of(world_size: int, up_to_date: Sequence[int]) -> dict[int, int]:
