@@ -767,10 +767,10 @@ def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], message: str) -
         ElasticJob(args.pop("rendezvous"), args.pop("job_id"), **args)
 
 
-def test_max_workers_defaults_to_v_and_is_checked_before_connecting() -> None:
+def test_max_workers_defaults_to_v_and_is_checked_before_joining(rendezvous: str) -> None:
     """max_workers=None is the executor's V, known once make_executor has run: below
-    min_workers it is an error naming both, before the (unreachable) store is tried."""
-    job = ElasticJob("127.0.0.1:1", "j", min_workers=5, store_timeout_s=1.0)
+    min_workers it is an error naming both, before the worker asks to join."""
+    job = ElasticJob(rendezvous, f"v{os.getpid()}", min_workers=5, store_timeout_s=5.0)
 
     def make_executor(group: dist.ProcessGroup, timeout_s: float) -> Executor:
         model = torch.nn.Linear(2, 1)

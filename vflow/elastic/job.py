@@ -132,6 +132,7 @@ from vflow.world.group import CollectiveError, World
 
 __all__ = ["LEAVE", "WAITING", "ElasticJob", "Event", "JoinRefused"]
 
+_UNCAPPED = 1 << 30  # the rendezvous' bound when max_workers is V (known later)
 WAITING = 1  # signal bit: this worker sees workers waiting to join
 LEAVE = 2  # signal bit: this worker leaves after this step
 
@@ -348,19 +349,13 @@ class ElasticJob:
         if self.handle_sigterm and threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, lambda *_: self._leave.set())
         try:
-            ex = self._build(make_executor)
-            # Known only now: the default max_workers is V, the executor's.
-            max_workers = ex.virtual_nodes if self.max_workers is None else self.max_workers
-            if max_workers < self.min_workers:
-                raise ValueError(
-                    f"max_workers defaults to V={max_workers}, below min_workers="
-                    f"{self.min_workers}: pass max_workers, or a smaller min_workers"
-                )
             self._rendezvous = Rendezvous(
                 self.rendezvous,
                 self.job_id,
                 min_workers=self.min_workers,
-                max_workers=max_workers,
+                # The default, V, is known once the executor is built (in _run); the
+                # members' admission applies it, the round's bound stays open till then.
+                max_workers=_UNCAPPED if self.max_workers is None else self.max_workers,
                 join_timeout_s=self.join_timeout_s,
                 last_call_s=self.last_call_s,
                 keep_alive_s=self.keep_alive_s,
@@ -375,9 +370,7 @@ class ElasticJob:
                 self.interface,
             )
             try:
-                return self._run(
-                    self._rendezvous, self._protocols(max_workers), ex, train_step, steps
-                )
+                return self._run(self._rendezvous, make_executor, train_step, steps)
             except BaseException:
                 self._rendezvous.leave()
                 raise
@@ -427,11 +420,19 @@ class ElasticJob:
     def _run(
         self,
         rdzv: Rendezvous,
-        p: _Protocols,
-        ex: Executor,
+        make_executor: MakeExecutor,
         train_step: TrainStep,
         steps: int,
     ) -> Executor | None:
+        ex = self._build(make_executor)
+        # Known only now: the default max_workers is V, the executor's.
+        max_workers = ex.virtual_nodes if self.max_workers is None else self.max_workers
+        if max_workers < self.min_workers:
+            raise ValueError(
+                f"max_workers defaults to V={max_workers}, below min_workers="
+                f"{self.min_workers}: pass max_workers, or a smaller min_workers"
+            )
+        p = self._protocols(max_workers)
         member = False  # whether ex has trained in this job (Note [Joining ahead])
         outcome = _Outcome("start", time.monotonic())
         failures = 0
