@@ -679,12 +679,7 @@ class Rendezvous:
             return []
         members = json.loads(job.get(_MEMBERS))
         keys = [f"{members['prefix']}/probe/{r}" for r in members["ranks"]]
-        store = self._main_store
-        # One request for all, as the members' are published together; one each (two
-        # requests) only while some are missing, which multi_get would wait for.
-        if keys and store.check(keys):
-            return [value.decode() for value in store.multi_get(keys)]
-        return [store.get(key).decode() for key in keys if store.check([key])]
+        return [value for value in _present(self._main_store, keys) if value is not None]
 
     # ---- knocking (Note [Joining a running job], vflow/elastic/admission.py) ---------
 
@@ -858,15 +853,8 @@ class Rendezvous:
         rnd = self._round
         if rnd is None:
             raise RuntimeError("probes() outside a round")
-        store = self._main_store
-        keys = [_probe_key(rnd, r) for r in ranks]
-        if keys and store.check(keys):
-            return {r: v.decode() for r, v in zip(ranks, store.multi_get(keys), strict=True)}
-        return {
-            r: store.get(key).decode()
-            for r, key in zip(ranks, keys, strict=True)
-            if store.check([key])
-        }
+        values = _present(self._main_store, [_probe_key(rnd, r) for r in ranks])
+        return {r: v for r, v in zip(ranks, values, strict=True) if v is not None}
 
     def evicted(self) -> bool:
         """Whether the rendezvous dropped this worker from its round (its heartbeats
@@ -1022,6 +1010,14 @@ def _tickets(job: dist.Store) -> tuple[int, int]:
 
 def _beat_key(rnd: Round, rank: int) -> str:
     return f"{rnd.prefix}/beat/{rank}"
+
+
+def _present(store: dist.Store, keys: list[str]) -> list[str | None]:
+    """The values of ``keys``, None for those missing: one request for all when all are
+    there (multi_get would wait for a missing one), else two for each."""
+    if keys and store.check(keys):
+        return [value.decode() for value in store.multi_get(keys)]
+    return [store.get(key).decode() if store.check([key]) else None for key in keys]
 
 
 def _probe_key(rnd: Round, rank: int) -> str:
