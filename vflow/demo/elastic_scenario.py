@@ -13,8 +13,11 @@ The demo starts the store (``python -m vflow rendezvous``) and the four workers
 it has imported everything and waits for ``go`` on its stdin, so that process start-up
 (seconds on a busy machine) is not part of the scenario's timeline. The demo says
 ``go`` to a worker when the workers' logs show that the previous change is done.
-Pacing: before each step in which they are fewer than three, the workers hold (at most
-HOLD_S) until they see a worker waiting to join; with three they run at full speed. A
+Pacing: before each step in which they are fewer than three, the workers wait (at most
+HOLD_S) until a worker waits to join; with three they run at full speed. Only the set's
+rank 0 sees who waits (it watches the door for the set: Note [One member watches the
+door] in vflow/elastic/rendezvous.py), so it holds, and the others wait for it inside
+the step's first collective, whose timeout is longer than a hold. A
 join then always takes two steps (the held one, and the next, which carries the
 signal), however long the joiner needs to reach the store, so the scenario fits in few
 steps without depending on the machine's speed. Every wait is bounded and every
@@ -73,9 +76,10 @@ MIN_STEPS = 12
 HOLD_S = 30.0  # the longest hold before a step (see the module docstring)
 # The activation the kill hook sits on: the output of the second convolution's ReLU.
 _HOOKED_LAYER = 3
-# ElasticJob(timeout_s=): a few times the slowest step; how long a hung worker stalls
-# the others.
-_COLLECTIVE_TIMEOUT_S = 5.0
+# ElasticJob(timeout_s=): how long a hung worker stalls the others. The workers other
+# than rank 0 wait out its hold in the step's first collective, so it exceeds HOLD_S
+# (a killed worker is found at once: its connections close).
+_COLLECTIVE_TIMEOUT_S = HOLD_S + 10.0
 # The job's first round: workers started together within the last call start it
 # together. It completes at the first poll of one of its participants after the last
 # call, and they poll once a second (torch's DynamicRendezvousHandler); 1.5 s leaves
@@ -230,7 +234,7 @@ def worker_main(argv: list[str]) -> int:
 
         def train_step(ex: vflow.Executor, step: int) -> StepResult:
             kill.begin_step(ex)
-            if ex.world_size < WORKERS and not job.waiting():
+            if ex.world_size < WORKERS and ex.rank == 0 and not job.waiting():
                 log.write(json.dumps({"hold": step, "workers": ex.world_size}) + "\n")
                 until = time.monotonic() + args.hold
                 while not job.waiting() and time.monotonic() < until:

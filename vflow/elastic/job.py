@@ -314,7 +314,10 @@ class ElasticJob:
         self._leave.set()
 
     def waiting(self) -> int:
-        """Workers waiting to join, as this worker last saw them (0 outside ``run``)."""
+        """Workers waiting to join, as this worker last saw them: only the worker set's
+        rank 0 watches for them (Note [One member watches the door],
+        vflow/elastic/rendezvous.py), so this is 0 on the others (the set learns of them
+        from rank 0 in the next step) and outside ``run``: pace on rank 0 alone."""
         return 0 if self._rendezvous is None else self._rendezvous.waiting()
 
     def run(
