@@ -15,7 +15,9 @@ SIGSTOP, and SIGUSR1, which arms a crash: the next step that starts kills this p
 with SIGKILL in the backward of its middle VN (of its last, with one VN), after writing
 ``{"kill": t, "step": s}``. A file ``DIR/NODE.crash`` holding ``{"step": s}`` arms the
 same crash for global batch s (or the next step to start, if that is later): how the
-benchmark kills several workers in one step.
+benchmark kills several workers in one step. With ``--knock-at FILE`` a joiner builds its
+executor, then waits for FILE before it asks to join: how the benchmark has several
+joiners knock at once (their imports, seconds apart on a busy machine, are done by then).
 
 Log files (``t``: ``time.time()`` when written), one per worker set this process trains
 in, so that a file holds one process's part of one worker set, as a torchrun worker's
@@ -53,6 +55,7 @@ from typing import IO, Any
 CLASSES = 10
 SEED = 0
 BATCHES_PER_EPOCH = 8
+KNOCK_WAIT_S = 600.0  # the longest wait for --knock-at's file
 
 
 class Log:
@@ -91,6 +94,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--steps", type=int, default=10**9)
+    parser.add_argument(
+        "--knock-at",
+        help="a file: once its executor is built, this worker waits until the file exists "
+        "before it asks to join (the benchmark's joiners of one grow knock together)",
+    )
     return parser.parse_args(argv)
 
 
@@ -189,6 +197,15 @@ def main(argv: list[str]) -> int:
             deterministic=args.deterministic,
         )
         log.write(built=time.time())
+        if args.knock_at is not None:
+            # Once: ElasticJob builds again only after connecting, and this worker has
+            # knocked by then.
+            gate, args.knock_at = args.knock_at, None
+            until = time.monotonic() + KNOCK_WAIT_S
+            while not os.path.exists(gate):
+                if time.monotonic() > until:
+                    raise SystemExit(f"--knock-at: no {gate} within {KNOCK_WAIT_S:g} s")
+                time.sleep(0.01)
         return ex
 
     sets = {"name": None, "count": 0}

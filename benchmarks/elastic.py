@@ -299,6 +299,7 @@ class VflowChain(trb._Chain):
         self.endpoint = ""
         self.job = f"vflow-bench-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
         self.exit_codes: dict[str, int | None] = {}
+        self.knock_at: Path | None = None  # the gate of the joiners being started
 
     def size_after(self, kind: str, size: int) -> int:
         return size_after("vflow", kind, size)
@@ -341,9 +342,12 @@ class VflowChain(trb._Chain):
             *("--keep-alive", f"{j.keep_alive_s:g}"),
             *("--keep-alive-attempts", str(j.keep_alive_attempts)),
             *(["--deterministic"] if j.deterministic else []),
+            *(["--knock-at", str(self.knock_at)] if self.knock_at is not None else []),
         ]
 
     def fire(self, event: trb.Event, size: int) -> tuple[str, float, int]:
+        if event.kind == "grow" and event.count > 1:
+            return self.grow_together(event, size)
         if event.kind == "grow":
             return super().fire(event, size)
         after = self.size_after_event(event, size)
@@ -378,6 +382,29 @@ class VflowChain(trb._Chain):
         for agent in agents:
             os.kill(agent.proc.pid, sig)
         return names, t, after
+
+    def grow_together(self, event: trb.Event, size: int) -> tuple[str, float, int]:
+        """A grow of several workers that knock at once: started together, each waits
+        after building its executor (--knock-at) until all have, and the event is the
+        word to knock. Started and left to knock when ready, they would knock over the
+        seconds their imports take on a busy machine: a test of process start-up, not
+        of how the members take in workers that arrive together."""
+        self.knock_at = self.run_dir / f"knock-{len(self.fired)}"
+        try:
+            agents = [self.start_agent() for _ in range(event.count)]
+        finally:
+            self.knock_at, gate = None, self.knock_at
+        names = [a.name for a in agents]
+
+        def built() -> bool:
+            done = {p.node for p in self.logs.procs.values() if "built" in p.stamps}
+            return all(name in done for name in names)
+
+        what = f"the {len(names)} joiners to build their executors"
+        self.wait_for(what, built, self.s.event_timeout_s)
+        t = time.time()
+        gate.write_text("")
+        return "+".join(names), t, self.size_after_event(event, size)
 
     def kill_stamp(self, node: str) -> float | None:
         """When ``node``'s worker killed itself (each process dies once: any file of
@@ -432,7 +459,8 @@ class VflowChain(trb._Chain):
             joiners = [process[n] for n in fired.node.split("+") if n in process]
             if e.kind == "grow" and joiners and e.recovered:
                 for stamp in ("ready", "built"):
-                    if all(stamp in j.stamps for j in joiners):
+                    # Joiners that knock together (grow_together) were ready before.
+                    if all(j.stamps.get(stamp, -math.inf) >= fired.t for j in joiners):
                         phases[stamp] = max(j.stamps[stamp] for j in joiners) - fired.t
             e.phases_s = phases
         events = {}

@@ -23,9 +23,13 @@ Events (``--events``, each played on a job of N workers, in this order):
   N-3; N >= 4): each is told the step in a file (benchmarks/_elastic_worker.py);
 * ``leave``: SIGTERM to one worker, which leaves after its step (N -> N-1);
 * ``grow1``: one worker process starts and joins (N -> N+1);
-* ``grow8``: eight worker processes start at once and join (N -> N+8): the members
+* ``grow8``: eight worker processes knock at once and join (N -> N+8): the members
   should let them in by one change of the worker set (Note [A window for joiners],
-  vflow/elastic/rendezvous.py).
+  vflow/elastic/rendezvous.py). They start together, build their executors, then wait
+  for the controller's word (``--knock-at``, benchmarks/_elastic_worker.py), which is
+  the event: left to knock as each got ready, they would knock over the 10-30 s their
+  imports take on 2 busy cores, which times process start-up, not the control plane.
+  A restore of several workers (after crash3) knocks the same way.
 
 The chain starts N workers; before each event it brings the job back to N ("restore":
 a grow of the workers a crash or leave cost, or a leave of the grow1 joiner), measured
@@ -53,7 +57,8 @@ Measured per event, from the workers' logs (``_torchrun_baseline.analyse``):
   batch 0..max committed by a whole worker set exactly once (missing, repeated and
   partial counts).
 * recovery: the event (a crash: the first victim's stamp before its SIGKILL; a grow:
-  the first joiner's start; a leave: the signal) to the new worker set's first step.
+  the first joiner's start, or for several the word to knock; a leave: the signal) to
+  the new worker set's first step.
 * agreed (crashes): the slowest survivor's ``Event.agreed_s``, from its failed
   collective to the survivors' decision (Note [Recovering within the round],
   vflow/elastic/agreement.py): what benchmarks/store_load.py simulates as "crash ->
@@ -125,7 +130,7 @@ ABOUT = {
     "crash3": "3 workers SIGKILL themselves in the same step's backward: N -> N-3",
     "leave": "SIGTERM to 1 worker, which leaves after its step: N -> N-1",
     "grow1": "1 worker process starts and joins: N -> N+1",
-    "grow8": "8 worker processes start at once and join: N -> N+8",
+    "grow8": "8 worker processes knock at once and join: N -> N+8",
 }
 
 

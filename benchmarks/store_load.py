@@ -125,7 +125,7 @@ def _host(
     from vflow.elastic import record as records
     from vflow.elastic.admission import let_in
     from vflow.elastic.agreement import LeftOut, Recovery
-    from vflow.elastic.groups import Groups, WorkerSet
+    from vflow.elastic.groups import Groups, WorkerSet, next_member
     from vflow.elastic.rendezvous import Rendezvous
     from vflow.elastic.reporting import Reporter
     from vflow.world.store import RequestCounts
@@ -154,7 +154,7 @@ def _host(
     lineage = records.running(prefix, 1)
     for r in ranks:
         members[r].joined(lineage)
-        members[r].watch(r == 0)
+        members[r].watch(r == 0, next_member(workers[r]))  # as groups.publish has it
     report = Reporter(
         job, endpoint, [], checkpoint=None, min_workers=1, join_timeout_s=60.0, timeout_s=30.0
     )

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 
 from tests.support import REPO_ROOT
 from tests.support.benchmark_scripts import load_script
+from tests.support.rendezvous import store_process
 from vflow.bench.records import evaluate
 
 elastic = load_script("elastic")
@@ -453,3 +455,45 @@ def test_quick_run_commits_every_batch_once_and_writes_headlines(tmp_path: Path)
     assert {t["event"] for t in detail["targets"]} == {"grow", "crash"}
     for h in records[1:]:
         evaluate(h)
+
+
+def test_a_joiner_told_to_knock_at_a_file_waits_for_it_once_built(tmp_path: Path) -> None:
+    """benchmarks/_elastic_worker.py --knock-at: the worker builds its executor, then
+    does not ask to join (so it does not start the job alone, min_workers 1) until the
+    file exists; then it trains. How elastic_scale's joiners of one grow knock at once."""
+    gate = tmp_path / "knock"
+    prefix = tmp_path / "a"
+    with store_process(cwd=REPO_ROOT) as (_, endpoint):
+        worker = subprocess.Popen(
+            [
+                sys.executable,
+                "benchmarks/_elastic_worker.py",
+                *("--rdzv", endpoint, "--job", "knock-at", "--log-path", str(prefix)),
+                *("--hidden", "16", "--layers", "1", "--batch-size", "8", "--virtual-nodes", "2"),
+                *("--min-workers", "1", "--max-workers", "2", "--last-call", "0.2"),
+                *("--steps", "3", "--knock-at", str(gate)),
+            ],
+            cwd=REPO_ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            process_log = tmp_path / "a.p.jsonl"
+            until = time.monotonic() + 120
+            while "built" not in (process_log.read_text() if process_log.exists() else ""):
+                assert worker.poll() is None and time.monotonic() < until, "no executor built"
+                time.sleep(0.05)
+            # Told nothing yet: a worker that asked to join would start the job alone
+            # within the last call (0.2 s) and open its first worker set's log.
+            time.sleep(3.0)
+            assert worker.poll() is None and not list(tmp_path.glob("a.s*.jsonl"))
+            gate.write_text("")
+            _, err = worker.communicate(timeout=120)
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+    assert worker.returncode == 0, err[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "a.s0.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if "t" in line] == [0, 1, 2]

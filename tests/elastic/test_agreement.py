@@ -26,7 +26,7 @@ from vflow.elastic.agreement import (
     _watched,
     connected,
 )
-from vflow.elastic.groups import Groups, WorkerSet
+from vflow.elastic.groups import Groups, WorkerSet, next_member
 from vflow.elastic.rendezvous import GONE_AFTER_S
 from vflow.elastic.reporting import Reporter
 from vflow.world import network
@@ -250,5 +250,46 @@ def test_a_dead_workers_refusing_probe_is_a_verdict_and_a_silent_one_waits_gone_
             looked = _recovery(60.0, gone_after_s=1.0)._answers(me, workers, second, [0, 1, 2])
             assert sorted(looked) == [0, 1] and time.monotonic() - start >= 1.0
             assert _said(rnd.store, second, [0, 1, 2])[1] == {2}
+        finally:
+            silent.close()
+
+
+def test_a_worker_silent_since_before_the_failure_is_judged_without_waiting_again() -> None:
+    """Note [The next worker's beats]: a member's poller reads the beats of the member
+    after it, so a survivor that watches a worker whose beats stopped well before the
+    agreement (a silent host: the collective took timeout_s to fail) finds it gone at
+    once, not gone_after_s after it began to look; a survivor whose poller did not read
+    them waits gone_after_s."""
+    with local_store(JOB) as (_store, worker):
+        me, other, peer = worker(), worker(), worker()
+        rnd = me.adopt(ROUND, 0, 0)
+        other.adopt(ROUND, 0, 1)  # beats: a survivor that answered
+        peer.adopt(ROUND, 0, 2)
+        workers = WorkerSet(rnd, [0, 2, 1])  # 0 watches 2 (and 1, the next survivor)
+        assert next_member(workers) == 2
+        assert next_member(WorkerSet(rnd, [0])) is None
+        me.watch(False, next_member(workers))
+        until("the poller reading 2's beats", lambda: (me.beat_seen(2) or (0, 0.0))[0] > 1)
+        assert me.beat_seen(1) is None  # it reads one worker's beats only
+        silent = network.ProbeListener("127.0.0.1")  # accepts: no refusal to go by
+        try:
+            peer.close()  # its beats stop
+            rnd.store.set("probe/2", silent.endpoint)
+            first, second = "vflow/first/alive", "vflow/second/alive"
+            for key in (first, second):
+                _say(rnd.store, key, 0, me.probe_endpoint)
+                _say(rnd.store, key, 1, other.probe_endpoint)
+            time.sleep(4.5)  # the poller reads every second: still for 3.4 s at least
+            seen = me.beat_seen(2)
+            assert seen is not None and time.monotonic() - seen[1] >= 2.0
+            start = time.monotonic()
+            looked = _recovery(60.0, gone_after_s=2.0)._answers(me, workers, first, [0, 1, 2])
+            assert sorted(looked) == [0, 1] and time.monotonic() - start < 2.0
+            assert _said(rnd.store, first, [0, 1, 2])[1] == {2}
+            me.watch(False, None)  # the poller no longer reads them: a fresh clock
+            assert me.beat_seen(2) is None
+            start = time.monotonic()
+            looked = _recovery(60.0, gone_after_s=2.0)._answers(me, workers, second, [0, 1, 2])
+            assert sorted(looked) == [0, 1] and time.monotonic() - start >= 2.0
         finally:
             silent.close()

@@ -211,7 +211,10 @@ class Recovery:
             now = time.monotonic()
             if pending:
                 for r, beat in rdzv.beats(watched).items():
-                    if r not in last or last[r][0] != beat:
+                    if r not in last:  # Note [The next worker's beats]
+                        seen = rdzv.beat_seen(r)
+                        last[r] = seen if seen is not None and seen[0] == beat else (beat, now)
+                    elif last[r][0] != beat:
                         last[r] = (beat, now)
                 found = [r for r in watched if now - last[r][1] >= self.gone_after_s]
                 found += self._refusing(rdzv, watched, last, probed, now, found)

@@ -33,6 +33,7 @@ __all__ = [
     "WorkerSet",
     "choose_interface",
     "group_bound_s",
+    "next_member",
     "prepare_nccl",
     "publish",
 ]
@@ -168,11 +169,21 @@ class Groups:
         ex.abort_group()
 
 
+def next_member(workers: WorkerSet) -> int | None:
+    """The round rank after this worker's in its set's order, around the ring (Note
+    [The next worker's beats], vflow/elastic/rendezvous.py); None alone."""
+    ranks = workers.ranks
+    if len(ranks) < 2:
+        return None
+    return ranks[(ranks.index(workers.round.rank) + 1) % len(ranks)]
+
+
 def publish(rdzv: Rendezvous, ex: Executor, workers: WorkerSet) -> None:
     """The set's lowest member says who is in it, for knockers to probe (Note [Probing
     a peer], vflow/world/network.py), and watches for them (Note [One member watches
-    the door], vflow/elastic/rendezvous.py); training goes on without the store."""
-    rdzv.watch(ex.rank == 0)
+    the door], vflow/elastic/rendezvous.py) and reads the beats of the member after it
+    (Note [The next worker's beats]); training goes on without the store."""
+    rdzv.watch(ex.rank == 0, next_member(workers))
     if ex.rank == 0:
         try:
             rdzv.publish_members(workers.ranks)

@@ -165,6 +165,7 @@ _KNOCKS, _ANSWERED = "knocks", "answered"  # counters of tickets
 _KNOCK_POLL_S = 0.02  # a knocking worker looks for its answer this often
 _ACK_S = 1.0  # how long the members wait for an offered ticket's acknowledgement
 _DOOR_POLL_S = 0.25  # the watching member reads the knocks counter this often
+_NEIGHBOUR_POLL_S = 1.0  # a member reads the next member's beats this often
 _RECORD_POLL_S = 1.0  # a knocker looks whether the job finished, a member whether it is fenced
 _MEMBERS = "members"  # job key: the current worker set's round prefix and ranks
 # One attempt to connect again to a store that broke the connection: long enough for a
@@ -386,6 +387,11 @@ class Rendezvous:
         self._wait_list = 0
         self._answered_seen = 0  # the poller's: Note [Reading the tickets]
         self._watching = False  # Note [One member watches the door]
+        # Note [The next worker's beats]: whose beats the poller reads, and the count it
+        # last saw them at with when it first saw that count (time.monotonic()).
+        self._neighbour: int | None = None
+        self._neighbour_seen: tuple[int, float] | None = None
+        self._next_neighbour_look = 0.0
         self._knocks_seen = 0  # the highest ticket the poller has seen taken
         self._knock_since = 0.0  # when it first saw it (time.monotonic())
         self._unanswered_since = 0.0  # when it first saw a ticket unanswered
@@ -927,12 +933,24 @@ class Rendezvous:
                     self._waiting = 0
                     self._lost(e)
 
-    def watch(self, door: bool) -> None:
+    def watch(self, door: bool, neighbour: int | None = None) -> None:
         """Whether this worker's poller watches for workers that wait to join (Note [One
-        member watches the door]): the lowest member of its worker set does."""
+        member watches the door]): the lowest member of its worker set does; and whose
+        beats it reads, ``neighbour``: the round rank after this worker's in its set
+        (Note [The next worker's beats]), None alone."""
         self._watching = door
         if not door:
             self._waiting = self._wait_list = 0
+        if neighbour != self._neighbour:
+            self._neighbour, self._neighbour_seen = neighbour, None
+            self._next_neighbour_look = 0.0
+
+    def beat_seen(self, rank: int) -> tuple[int, float] | None:
+        """The beat count of ``rank`` as this worker's poller last read it, and since
+        when (time.monotonic()) it has read that count (Note [The next worker's beats]);
+        None unless ``rank`` is the neighbour it watches and it has read it."""
+        seen = self._neighbour_seen
+        return seen if rank == self._neighbour else None
 
     def _poll_once(self, rnd: Round) -> None:
         self._poll_store.add(_beat_key(rnd, rnd.rank), 1)
@@ -943,12 +961,33 @@ class Rendezvous:
             # num_nodes_waiting syncs the handler's state (at most once a second).
             self._wait_list = self._handler.num_nodes_waiting()
             self._waiting = self._wait_list + knocking
+        neighbour = self._neighbour
+        if neighbour is not None and now >= self._next_neighbour_look:
+            self._next_neighbour_look = now + _NEIGHBOUR_POLL_S
+            count = int(self._poll_store.add(_beat_key(rnd, neighbour), 0))
+            seen = self._neighbour_seen
+            if seen is None or seen[0] != count:
+                self._neighbour_seen = (count, now)
         state = self._handler._state_holder.state
         self._evicted = not self._adopted and self._handler._this_node not in state.participants
         if now >= self._next_record_look:
             self._next_record_look = now + _RECORD_POLL_S
             self._look_at_record()
 
+    # Note [The next worker's beats]
+    # A silent peer (a host whose link went down, a stopped process) is found gone once
+    # its beats stood still for gone_after_s (Note [Beats]). The survivors only start to
+    # look after a collective failed, which for a silent peer is timeout_s after it fell
+    # silent: a verdict clocked from then would cost timeout_s + gone_after_s, although
+    # the beats had stopped long before. So each member's poller also reads the beat
+    # count of the member after it in the set's order (``watch``), every
+    # _NEIGHBOUR_POLL_S, and keeps when it first read the count it last read: the count
+    # has stood still at least since then. In an agreement, the survivor watching that
+    # peer (the one before it: Note [Each silent worker watched once],
+    # vflow/elastic/agreement.py) starts the peer's clock there when the count has not
+    # moved since (``beat_seen``), so a peer silent since before the failure is judged
+    # at once. One request a second per member.
+    #
     # Note [One member watches the door]
     # A member learns of workers waiting to join only to set WAITING in its step's signal
     # word, and the words travel in the step's statistics to every member: one member
@@ -958,10 +997,11 @@ class Rendezvous:
     # member. A member's steady requests to the store are then its beat every _POLL_S,
     # its look at the job's record every _RECORD_POLL_S and, for a participant of the
     # rendezvous' round, the handler's keep-alive every keep_alive_s (two
-    # compare-and-sets: torch's c10d backend reads the state with one): 10 + 1 + 4 a
-    # second with the defaults, whatever N; the watching member adds a read of the
-    # knocks counter every _DOOR_POLL_S (4 a second; the wait list's read shares the
-    # keep-alive's), 19 in all (benchmarks/store_load.py counts them).
+    # compare-and-sets: torch's c10d backend reads the state with one) and its read of
+    # the next member's beats every _NEIGHBOUR_POLL_S: 10 + 1 + 4 + 1 a second with the
+    # defaults, whatever N; the watching member adds a read of the knocks counter every
+    # _DOOR_POLL_S (4 a second; the wait list's read shares the keep-alive's), 20 in all
+    # (benchmarks/store_load.py counts them).
     #
     # Note [A window for joiners]
     # Joiners started together knock over a few seconds (each builds its executor
