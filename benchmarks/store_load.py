@@ -14,9 +14,10 @@ rendezvous``, libuv TCPStore), with N light members instead of training workers:
   the door (Note [One member watches the door], vflow/elastic/rendezvous.py), every
   member looks at the job's record. No model, no executor, no process group: the
   step's exchange of signal words is stood in for by this script telling every member
-  when the lowest one saw workers waiting. Members live in ``--hosts`` processes
-  (threads in each), each request counted (``vflow.world.store.CountingStore``);
-* the capacity: ``--hosts`` processes sending synchronous ``add`` requests as fast as
+  when the lowest one saw workers waiting. Members live in ``--hosts`` processes (by
+  default at most 32 in each, at least 4; threads in each), each request counted
+  (``vflow.world.store.CountingStore``);
+* the capacity: 1, 2 and 4 processes sending synchronous ``add`` requests as fast as
   the store answers, for 3 s: the requests a second it served, the best of 1, 2 and 4
   client processes (the store's process has one core of two; clients the other);
 * steady state: every member's requests a second over 5 s (median and maximum), and
@@ -68,6 +69,19 @@ from vflow.bench import records as bench_records
 TARGET_WORKER_RATE = 20.0  # steady requests a second per worker
 TARGET_SECONDS = 2.0  # crash -> agreement, knock -> admitted at N = 1,024
 TARGET_LOAD = 0.5  # peak store load / capacity
+# Members per process by default. Each member is three threads (poller, probe, and its
+# agreement's), and one process's threads share its GIL: at 512 members a crash's
+# agreement took 9.7 s in 4 processes, 4.5 s in 16 and 3.9 s in 32 (same code), so the
+# default spreads them.
+MEMBERS_PER_HOST = 32
+
+
+def hosts_for(size: int, hosts: int | None) -> int:
+    """The processes ``size`` members live in: ``hosts`` if given, else enough for at
+    most MEMBERS_PER_HOST each, at least 4."""
+    return hosts if hosts is not None else max(4, -(-size // MEMBERS_PER_HOST))
+
+
 WORKERS = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -333,6 +347,7 @@ def simulate(endpoint: str, size: int, hosts: int, kill: int, last_call_s: float
         knocker.join(timeout=60)
         return {
             "workers": size,
+            "hosts": hosts,
             "steady_per_worker_median": statistics.median(rates),
             "steady_per_worker_max": max(rates),
             "steady_total": sum(rates),
@@ -359,7 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the set sizes N, comma-separated (default 8 ... 1024)",
     )
     parser.add_argument(
-        "--hosts", type=int, default=4, help="processes the light members live in (default 4)"
+        "--hosts",
+        type=int,
+        help="processes the light members live in (default: at most "
+        f"{MEMBERS_PER_HOST} members in each, at least 4 processes)",
     )
     parser.add_argument("--kill", type=int, default=3, help="members that crash at once (3)")
     parser.add_argument(
@@ -378,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [8, 64]
     if any(n < 2 for n in sizes):
         parser.error(f"--workers: every N must be >= 2, got {args.workers!r}")
-    if args.hosts < 1:
+    if args.hosts is not None and args.hosts < 1:
         parser.error(f"--hosts must be >= 1, got {args.hosts}")
     if not 1 <= args.kill < min(sizes):
         parser.error(
@@ -387,7 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.last_call >= 0:
         parser.error(f"--last-call must be >= 0, got {args.last_call}")
     session = common.open_process_session(
-        args, "The elastic control plane against one store", threads=1, hosts=args.hosts
+        args,
+        "The elastic control plane against one store",
+        threads=1,
+        hosts=args.hosts or f"max(4, N / {MEMBERS_PER_HOST})",
     )
     with tempfile_path() as port_file:
         store = _store(port_file)
@@ -403,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
             results = []
             for size in sizes:
                 print(f"N = {size} ...", flush=True)
-                results.append(simulate(endpoint, size, args.hosts, args.kill, args.last_call))
+                hosts = hosts_for(size, args.hosts)
+                results.append(simulate(endpoint, size, hosts, args.kill, args.last_call))
         finally:
             store.terminate()
             store.wait(timeout=30)

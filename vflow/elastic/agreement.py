@@ -321,8 +321,9 @@ class _Reader:
         self.listed = len(index)
         if not new:
             return self.said, self.gone
-        for raw in self.store.multi_get([f"{self.key}/{name}" for name in new]):
-            first, second = json.loads(raw)
+        raws = self.store.multi_get([f"{self.key}/{name}" for name in new])
+        # One parse for all: a thousand answers cost one json.loads, not a thousand.
+        for first, second in json.loads(b"[" + b",".join(raws) + b"]"):
             if first == _GONE:
                 if int(second) not in self.gone:
                     self.gone.add(int(second))
