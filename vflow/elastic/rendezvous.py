@@ -387,10 +387,11 @@ class Rendezvous:
         self._wait_list = 0
         self._answered_seen = 0  # the poller's: Note [Reading the tickets]
         self._watching = False  # Note [One member watches the door]
-        # Note [The next worker's beats]: whose beats the poller reads, and the count it
-        # last saw them at with when it first saw that count (time.monotonic()).
+        # Note [The next worker's beats]: whose beats the poller reads, and (that rank,
+        # the count it last read, when it first read that count: time.monotonic()); the
+        # rank too, as ``watch`` may change the neighbour during the poller's read.
         self._neighbour: int | None = None
-        self._neighbour_seen: tuple[int, float] | None = None
+        self._neighbour_seen: tuple[int, int, float] | None = None
         self._next_neighbour_look = 0.0
         self._knocks_seen = 0  # the highest ticket the poller has seen taken
         self._knock_since = 0.0  # when it first saw it (time.monotonic())
@@ -950,7 +951,7 @@ class Rendezvous:
         when (time.monotonic()) it has read that count (Note [The next worker's beats]);
         None unless ``rank`` is the neighbour it watches and it has read it."""
         seen = self._neighbour_seen
-        return seen if rank == self._neighbour else None
+        return (seen[1], seen[2]) if seen is not None and seen[0] == rank else None
 
     def _poll_once(self, rnd: Round) -> None:
         self._poll_store.add(_beat_key(rnd, rnd.rank), 1)
@@ -966,8 +967,8 @@ class Rendezvous:
             self._next_neighbour_look = now + _NEIGHBOUR_POLL_S
             count = int(self._poll_store.add(_beat_key(rnd, neighbour), 0))
             seen = self._neighbour_seen
-            if seen is None or seen[0] != count:
-                self._neighbour_seen = (count, now)
+            if seen is None or seen[:2] != (neighbour, count):
+                self._neighbour_seen = (neighbour, count, now)
         state = self._handler._state_holder.state
         self._evicted = not self._adopted and self._handler._this_node not in state.participants
         if now >= self._next_record_look:
