@@ -183,6 +183,7 @@ def _extension():
         "csrc/exact.cpp",
         "csrc/grad_buffer.cpp",
         "csrc/grad_store.cpp",
+        "csrc/interrupt.cpp",
         "csrc/reducer.cpp",
         "csrc/reduction/reduction.cpp",
         "csrc/reduction/all_reduce.cpp",

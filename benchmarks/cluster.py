@@ -23,18 +23,21 @@ Simulated (vflow/cluster/simulator.py, Note [The simulator's model]):
 * a CDF of the JCTs of every seed, pooled, per policy (PNG, ``--plot``).
 
 las' threshold is scaled to the workload: the attained service of a typical job (the
-geometric mean of the run-time range x the mean demand, divided by the time scale).
+geometric mean of the run-time range x the mean demand, divided by the time scale), and
+so is its scheduling interval (60 s at time scale 1).
 
 Real (``--real``, not in --quick): ``python -m vflow cluster run`` (vflow/cluster/runner.py)
-plays a smaller trace of the same shape for wfs and priority; the simulator, fed the
-run's measured step times and resize costs, predicts each run's average JCT (target
-within 15 %) and each job's (target within 25 %). A slot is an emulated device: its
+plays a smaller trace of the same shape for wfs and priority (``--real-policies``: las
+too, whose preemptions suspend jobs and resume them from checkpoints); the simulator,
+fed the run's measured step times and resize costs, predicts each run's average JCT
+(target within 15 %) and each job's (target within 25 %). A slot is an emulated device: its
 worker trains the digits CNN for real, and its device time per step is a sleep.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import itertools
@@ -119,8 +122,17 @@ def las_thresholds_s(shape: Shape) -> tuple[float, ...]:
 
 
 def policies_for(shape: Shape) -> dict[str, Policy]:
+    """The policies for ``shape``: las' threshold and every scheduling interval scaled
+    to its time scale, as its durations are."""
     limits = las_thresholds_s(shape)
-    return {name: get_policy(name, las_thresholds_s=limits) for name in POLICIES}
+    return {
+        name: get_policy(
+            name,
+            las_thresholds_s=limits,
+            interval_s=None if policy.interval_s is None else policy.interval_s / shape.time_scale,
+        )
+        for name, policy in POLICIES.items()
+    }
 
 
 def offered_load(shape: Shape) -> float:
@@ -333,15 +345,24 @@ def runner_available() -> bool:
     return importlib.util.find_spec("vflow.cluster.runner") is not None
 
 
-def run_real(shape: Shape, seed: int, timeout_s: float, workdir: Path) -> dict[str, Any]:
-    """One real run per policy of REAL_POLICIES on ``shape``'s trace, each with the
-    simulator's prediction from what the run measured."""
+def run_real(
+    shape: Shape,
+    seed: int,
+    timeout_s: float,
+    workdir: Path,
+    backend: str = "local",
+    names: Sequence[str] = REAL_POLICIES,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """One real run per policy of ``names`` on ``shape``'s trace, on ``backend`` (the
+    runner's; ``env`` carries SLURM_CONF for slurm), each with the simulator's
+    prediction from what the run measured."""
     trace = generate(shape, seed)
     trace_path = workdir / "trace.json"
     write_trace(trace_path, trace.to_json())
     policies = policies_for(shape)
-    out: dict[str, Any] = {"shape": shape.to_json(), "seed": seed, "runs": {}}
-    for name in REAL_POLICIES:
+    out: dict[str, Any] = {"shape": shape.to_json(), "seed": seed, "backend": backend, "runs": {}}
+    for name in names:
         result_path = workdir / f"{name}.json"
         cmd = [
             sys.executable,
@@ -351,10 +372,18 @@ def run_real(shape: Shape, seed: int, timeout_s: float, workdir: Path) -> dict[s
             "run",
             *("--trace", str(trace_path), "--policy", name, "--out", str(result_path)),
             *("--workdir", str(workdir / name), "--timeout", f"{timeout_s:g}"),
+            *("--backend", backend),
+            # The simulated policy's settings (policies_for), so that both run one policy.
+            *(["--las-threshold-s", *map(repr, las_thresholds_s(shape))] if name == "las" else []),
+            *(
+                []
+                if policies[name].interval_s is None
+                else ["--interval-s", repr(policies[name].interval_s)]
+            ),
         ]
         print(f"real: {' '.join(cmd)}", flush=True)
         started = time.monotonic()
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, timeout=timeout_s + 60, check=False)
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, timeout=timeout_s + 90, check=False, env=env)
         wall_s = time.monotonic() - started
         if proc.returncode != 0 or not result_path.is_file():
             out["runs"][name] = {"error": f"the runner exited with status {proc.returncode}"}
@@ -423,15 +452,19 @@ def headline_records(results: dict[str, Any]) -> list[dict[str, Any]]:
                 target=bench_records.target("<=", 1.0),
             )
         )
-    for name, run in (results.get("real") or {}).get("runs", {}).items():
+    real = results.get("real") or {}
+    backend = real.get("backend", "local")
+    for name, run in real.get("runs", {}).items():
         if "error" in run:
             continue
+        where = "emulated slots" if backend == "local" else "Slurm (fake GPUs)"
         out.append(
             bench_records.headline(
                 "cluster",
-                f"cluster/real/{name}/predicted-vs-real",
-                f"{name}: simulated / real average JCT, {len(run['jobs'])} jobs on emulated "
-                f"slots (target within {TARGET_REAL_AVG:.0%})",
+                f"cluster/real{'' if backend == 'local' else '-' + backend}/{name}/"
+                "predicted-vs-real",
+                f"{name}: simulated / real average JCT, {len(run['jobs'])} jobs on {where} "
+                f"(target within {TARGET_REAL_AVG:.0%})",
                 vflow=m([run["predicted_avg_jct_s"]], label="simulator, measured inputs"),
                 baseline=m([run["real_avg_jct_s"]], label="python -m vflow cluster run"),
             )
@@ -670,8 +703,13 @@ def print_results(results: dict[str, Any]) -> None:
     )
     if results.get("real"):
         real = results["real"]
+        where = (
+            "backend local"
+            if real.get("backend", "local") == "local"
+            else "backend slurm, one Slurm job per worker, a fake GPU per slot"
+        )
         print(
-            f"\nreal runs ({SLOTS_NOTE}): {real['shape']['jobs']} jobs on "
+            f"\nreal runs ({where}; {SLOTS_NOTE}): {real['shape']['jobs']} jobs on "
             f"{real['shape']['slots']} slots, time scale {real['shape']['time_scale']:g}, seed "
             f"{real['seed']}; predicted = the simulator fed the run's measured step times and costs"
         )
@@ -728,7 +766,31 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the real runs' files (default: a temporary folder)",
     )
+    parser.add_argument(
+        "--real-backend",
+        choices=("local", "slurm"),
+        default="local",
+        help="the runner's backend: local emulated slots, or the Slurm SLURM_CONF names "
+        "(default local)",
+    )
+    parser.add_argument(
+        "--local-slurm",
+        action="store_true",
+        help="with --real-backend slurm: start a local Slurm for the runs, 4 nodes x 2 fake "
+        "GPUs (tests/support/slurm.py; root, slurm-wlm and munge)",
+    )
+    parser.add_argument(
+        "--real-policies",
+        default=",".join(REAL_POLICIES),
+        help=f"the policies run for real, comma-separated (default {','.join(REAL_POLICIES)})",
+    )
     args = parser.parse_args(argv)
+    real_policies = [name for name in args.real_policies.split(",") if name]
+    unknown = [name for name in real_policies if name not in POLICIES]
+    if unknown or not real_policies:
+        raise SystemExit(f"--real-policies: unknown {unknown} (known: {', '.join(POLICIES)})")
+    if args.local_slurm and args.real_backend != "slurm":
+        raise SystemExit("--local-slurm is for --real-backend slurm")
     seeds = SEEDS.of(args, "seeds")
     if seeds < 1 or args.real_jobs < 1 or not args.real_time_scale > 0 or not args.real_timeout > 0:
         raise SystemExit("--seeds, --real-jobs, --real-time-scale and --real-timeout must be > 0")
@@ -763,10 +825,26 @@ def main(argv: list[str] | None = None) -> int:
             results["real_not_run"] = "vflow.cluster.runner is not there"
         else:
             shape = VIRTUALFLOW.scaled(jobs=args.real_jobs, time_scale=args.real_time_scale)
-            with tempfile.TemporaryDirectory(prefix="vflow-cluster-") as tmp:
+            with contextlib.ExitStack() as stack:
+                env = None
+                if args.local_slurm:
+                    sys.path.insert(0, str(REPO_ROOT))
+                    from tests.support.slurm import LocalSlurm
+
+                    cluster = stack.enter_context(LocalSlurm(nodes=4, gpus=2))
+                    env = cluster.env
+                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="vflow-cluster-"))
                 workdir = args.workdir or Path(tmp)
                 workdir.mkdir(parents=True, exist_ok=True)
-                results["real"] = run_real(shape, args.real_seed, args.real_timeout, workdir)
+                results["real"] = run_real(
+                    shape,
+                    args.real_seed,
+                    args.real_timeout,
+                    workdir,
+                    args.real_backend,
+                    real_policies,
+                    env,
+                )
     print_results(results)
     records = [{"benchmark": "cluster", **results}, *headline_records(results)]
     return session.finish(records)

@@ -15,19 +15,26 @@ rendezvous``, libuv TCPStore), with N light members instead of training workers:
   member looks at the job's record. No model, no executor, no process group: the
   step's exchange of signal words is stood in for by this script telling every member
   when the lowest one saw workers waiting. Members live in ``--hosts`` processes (by
-  default at most 32 in each, at least 4; threads in each), each request counted
+  default at most 16 in each, at least 4; threads in each), each request counted
   (``vflow.world.store.CountingStore``);
 * the capacity: 1, 2 and 4 processes sending synchronous ``add`` requests as fast as
   the store answers, for 3 s: the requests a second it served, the best of 1, 2 and 4
   client processes (the store's process has one core of two; clients the other);
-* steady state: every member's requests a second over 5 s (median and maximum), and
-  the whole set's;
+* steady state: every member's requests a second over 5 s (median and maximum), the
+  whole set's, and the share of the machine's cores the members' processes use (the
+  pollers': what an agreement here shares the cores with);
 * crash: ``--kill`` members stop (their pollers stop beating, their probes close); the
   others run ``Recovery.agree`` (Note [Recovering within the round],
-  vflow/elastic/agreement.py) from the moment of the kill, as workers whose collective
-  failed then would: the time until the last survivor has the decision, the store's
-  load meanwhile (the members' requests over that time), and how many live members
-  the others found gone (left out: a false drop, which costs a real job a grow);
+  vflow/elastic/agreement.py) as workers in a step's all-reduce would (reaching it
+  over ``--arrival`` seconds after the kill, 0 by default): the
+  victims' neighbours on the ring from the moment of the kill (their transfers with a
+  victim fail), every other once a survivor tells it that the set broke (Note [A
+  survivor blocked on survivors]: the message crosses its real probe). Reported: the
+  time from the kill until the last survivor has the decision; the slowest survivor's
+  time from its own failure to the decision (what a real worker's ``Event.agreed_s``
+  counts, to set beside ``elastic_scale.py``); the store's load meanwhile (the
+  members' requests over that time); and how many live members the others found gone
+  (left out: a false drop, which costs a real job a grow);
 * knock: one worker ``Rendezvous.knock``s; the time until it is let in, the last call
   included (Note [A window for joiners]; the members act as soon as the lowest one
   reports the knock, where workers act after their current step).
@@ -49,10 +56,12 @@ import argparse
 import contextlib
 import multiprocessing as mp
 import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -70,10 +79,13 @@ TARGET_WORKER_RATE = 20.0  # steady requests a second per worker
 TARGET_SECONDS = 2.0  # crash -> agreement, knock -> admitted at N = 1,024
 TARGET_LOAD = 0.5  # peak store load / capacity
 # Members per process by default. Each member is three threads (poller, probe, and its
-# agreement's), and one process's threads share its GIL: at 512 members a crash's
-# agreement took 9.7 s in 4 processes, 4.5 s in 16 and 3.9 s in 32 (same code), so the
-# default spreads them.
-MEMBERS_PER_HOST = 32
+# agreement's), and one process's threads share its GIL. With many threads at once the
+# GIL's hand-offs cost more than the work: at 1,024 members in 32 processes a crash's
+# agreement took 20-62 s, the members spending 40-120 CPU seconds, most of them in the
+# kernel switching threads and waking them on the GIL's futex (perf); in 64 processes
+# (16 each) it took 5.5-5.8 s and 10 CPU seconds, in 128 (8 each) 5.7 s (same code).
+# At 512 members in 4 processes it took 9.7 s, in 16 4.5 s, in 32 3.9 s.
+MEMBERS_PER_HOST = 16
 
 
 def hosts_for(size: int, hosts: int | None) -> int:
@@ -185,6 +197,8 @@ def _host(
         command, arg = conn.recv()
         if command == "counts":
             conn.send({r: counts[r].total() for r in ranks if r not in dead})
+        elif command == "cpu":  # this process's CPU seconds, all its threads
+            conn.send(sum(os.times()[:2]))
         elif command == "waiting":
             conn.send(members[0].waiting() if 0 in members else 0)
         elif command == "kill":
@@ -195,21 +209,46 @@ def _host(
             conn.send("killed")
         elif command == "agree":
             alive = [r for r in ranks if r not in dead]
+            # Note [A survivor blocked on survivors], as the crash of a step's all-reduce
+            # meets it: the victims' neighbours on the ring fail at once, the others stay
+            # blocked until a survivor tells them (their probes are real), or until the
+            # collective's timeout.
+            blocked = {r: _Blocked() for r in alive}
+            for r in alive:
+                if _next_to(workers[r].ranks, r, set(arg[0])):
+                    blocked[r].interrupt()
+                else:
+                    members[r].interrupt_on_broken(workers[r].key, blocked[r].interrupt)
 
-            def agree(r: int) -> WorkerSet | None:
+            def agree(
+                r: int,
+                blocked: dict[int, _Blocked] = blocked,
+                kill: float = time.monotonic(),
+                arrival_s: float = arg[1],
+            ) -> tuple[float, WorkerSet | None]:
+                # It reaches the step's collective (``--arrival``), then fails there.
+                time.sleep(max(0.0, kill + _arrival(r, arrival_s) - time.monotonic()))
+                blocked[r].failed.wait(recovery.timeout_s)
+                began = time.time()
                 try:
-                    return recovery.agree(members[r], workers[r], ())
+                    return began, recovery.agree(members[r], workers[r], ())
                 except LeftOut:  # found gone by the others (a starved poller)
-                    return None
+                    return began, None
 
+            cpu = sum(os.times()[:2])
             agreed = pool_map(agree, alive)
-            for r, (_, grown) in zip(alive, agreed, strict=True):
+            cpu = sum(os.times()[:2]) - cpu
+            for r, (_, (_, grown)) in zip(alive, agreed, strict=True):
                 if grown is None:
                     members[r].close()
                     dead.add(r)
                 else:
                     workers[r] = grown
-            conn.send([(when, None if grown is None else grown.ranks) for when, grown in agreed])
+            rows = [
+                (began, when, None if grown is None else grown.ranks)
+                for when, (began, grown) in agreed
+            ]
+            conn.send((rows, cpu))
         elif command == "let_in":
             alive = [r for r in ranks if r not in dead]
             step, room = arg
@@ -224,6 +263,30 @@ def _host(
                     members[r].close()
             conn.send("stopped")
             return
+
+
+class _Blocked:
+    """A light member's step, blocked in its collective until it fails (``interrupt``,
+    what a worker's World does when told that its set broke)."""
+
+    def __init__(self) -> None:
+        self.failed = threading.Event()
+
+    def interrupt(self) -> None:
+        self.failed.set()
+
+
+def _next_to(order: list[int], rank: int, victims: set[int]) -> bool:
+    """Whether ``rank`` is next to one of ``victims`` on the ring of ``order``: its
+    collective's pending transfers were with a victim, so it fails at once."""
+    at = order.index(rank)
+    return bool({order[at - 1], order[(at + 1) % len(order)]} & victims)
+
+
+def _arrival(rank: int, spread_s: float) -> float:
+    """When ``rank`` reaches the failed step's collective, after the kill: uniform over
+    ``spread_s``, the same for a rank in every run (``--arrival``)."""
+    return random.Random(rank).uniform(0.0, spread_s)
 
 
 def pool_map(fn: Callable[[int], Any], items: list[int]) -> list[tuple[float, Any]]:
@@ -270,6 +333,10 @@ class Members:
             merged.update(part)
         return merged
 
+    def cpu(self) -> float:
+        """The CPU seconds the members' processes have used so far."""
+        return sum(self.ask("cpu"))
+
     def close(self) -> None:
         try:
             self.ask("stop")
@@ -302,33 +369,47 @@ def _knocker(endpoint: str, job: str, last_call_s: float, out: Connection) -> No
     rdzv.close()
 
 
-def simulate(endpoint: str, size: int, hosts: int, kill: int, last_call_s: float) -> dict[str, Any]:
-    """One set of ``size`` light members: steady state, a crash of ``kill``, a knock."""
+def simulate(
+    endpoint: str, size: int, hosts: int, kill: int, last_call_s: float, arrival_s: float = 0.0
+) -> dict[str, Any]:
+    """One set of ``size`` light members: steady state, a crash of ``kill`` (the
+    survivors reaching the failed collective over ``arrival_s``), a knock."""
     job = f"load{size}"  # a job of its own for each N: nothing left from the last one
     members = Members(endpoint, job, size, hosts, last_call_s)
     try:
         time.sleep(2.0)  # the pollers' first looks
-        before, t0 = members.counts(), time.monotonic()
+        before, cpu, t0 = members.counts(), members.cpu(), time.monotonic()
         time.sleep(5.0)
-        after, elapsed = members.counts(), time.monotonic() - t0
+        after, cpu, elapsed = members.counts(), members.cpu() - cpu, time.monotonic() - t0
         rates = [(after[r] - before[r]) / elapsed for r in after]
+        # The share of the machine's cores the members' pollers take all the time: what
+        # is left for an agreement (on a cluster, each worker has its own).
+        idle_share = cpu / (elapsed * (os.cpu_count() or 1))
         print(
             f"  steady: {statistics.median(rates):.1f} requests/s per worker (median), "
-            f"{max(rates):.1f} (max), {sum(rates):,.0f} in all",
+            f"{max(rates):.1f} (max), {sum(rates):,.0f} in all; the members used "
+            f"{100 * idle_share:.0f} % of the machine's cores",
             flush=True,
         )
         # Crash: the highest ranks stop; the others agree from the kill on.
         victims = list(range(size - kill, size))
         members.ask("kill", victims)
         crash, before = time.time(), members.counts()
-        results = [x for part in members.ask("agree") for x in part]
-        agreed = max(t for t, _ in results) - crash
+        parts = members.ask("agree", (victims, arrival_s))
+        results = [x for rows, _ in parts for x in rows]
+        cpu = sum(used for _, used in parts)  # the members' processes, all threads
+        agreed = max(t for _, t, _ in results) - crash
+        # As a real worker's Event.agreed_s counts: from its own failed collective.
+        slowest = max(t - began for began, t, _ in results)
         load = (sum(members.counts().values()) - sum(before.values())) / agreed
-        decisions = {tuple(ranks) for _, ranks in results if ranks is not None}
-        left_out = sum(ranks is None for _, ranks in results)
+        busy = cpu / (agreed * (os.cpu_count() or 1))
+        decisions = {tuple(ranks) for _, _, ranks in results if ranks is not None}
+        left_out = sum(ranks is None for _, _, ranks in results)
         print(
-            f"  crash of {kill}: agreed {agreed:.2f} s after, {load:,.0f} requests/s "
-            f"meanwhile, {len(decisions)} decision(s), {left_out} left out",
+            f"  crash of {kill}: agreed {agreed:.2f} s after (the slowest survivor "
+            f"{slowest:.2f} s after its collective failed), {load:,.0f} requests/s "
+            f"meanwhile, {len(decisions)} decision(s), {left_out} left out; the members "
+            f"used {cpu:.1f} CPU s, {100 * busy:.0f} % of the machine's cores meanwhile",
             flush=True,
         )
         # Knock: a new worker asks to join the survivors.
@@ -351,8 +432,13 @@ def simulate(endpoint: str, size: int, hosts: int, kill: int, last_call_s: float
             "steady_per_worker_median": statistics.median(rates),
             "steady_per_worker_max": max(rates),
             "steady_total": sum(rates),
+            "steady_cpu_share": idle_share,
             "killed": kill,
+            "arrival_s": arrival_s,
             "crash_to_agreement_s": agreed,
+            "slowest_agreed_s": slowest,
+            "agreement_cpu_s": cpu,
+            "agreement_cpu_share": busy,
             "agreement_load": load,
             "decisions": len(decisions),
             "left_out": left_out,
@@ -381,6 +467,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--kill", type=int, default=3, help="members that crash at once (3)")
     parser.add_argument(
+        "--arrival",
+        type=float,
+        default=0.0,
+        help="seconds over which the survivors reach the failed step's collective, "
+        "uniformly (default 0: all blocked in it at the kill); real workers sharing "
+        "cores arrive over about a step",
+    )
+    parser.add_argument(
         "--last-call",
         type=float,
         default=1.0,
@@ -402,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--kill must be in 1..{min(sizes) - 1} (below the smallest N), got {args.kill}"
         )
+    if not args.arrival >= 0:
+        parser.error(f"--arrival must be >= 0, got {args.arrival}")
     if not args.last_call >= 0:
         parser.error(f"--last-call must be >= 0, got {args.last_call}")
     session = common.open_process_session(
@@ -425,7 +521,9 @@ def main(argv: list[str] | None = None) -> int:
             for size in sizes:
                 print(f"N = {size} ...", flush=True)
                 hosts = hosts_for(size, args.hosts)
-                results.append(simulate(endpoint, size, hosts, args.kill, args.last_call))
+                results.append(
+                    simulate(endpoint, size, hosts, args.kill, args.last_call, args.arrival)
+                )
         finally:
             store.terminate()
             store.wait(timeout=30)
@@ -435,8 +533,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['steady_per_worker_median']:.1f}",
             f"{r['steady_per_worker_max']:.1f}",
             f"{r['steady_total']:,.0f}",
+            f"{100 * r['steady_cpu_share']:.0f}",
             f"{r['crash_to_agreement_s']:.2f}",
+            f"{r['slowest_agreed_s']:.2f}",
             f"{r['agreement_load']:,.0f}",
+            f"{100 * r['agreement_cpu_share']:.0f}",
             f"{100 * max(r['steady_total'], r['agreement_load']) / best:.0f}",
             f"{r['knock_to_admitted_s']:.2f}",
             str(r["left_out"]),
@@ -452,8 +553,11 @@ def main(argv: list[str] | None = None) -> int:
                 "req/s/worker (median)",
                 "(max)",
                 "req/s all",
+                "CPU % steady",
                 f"crash of {args.kill} -> agreed s",
+                "slowest survivor s",
                 "req/s agreeing",
+                "CPU % agreeing",
                 "peak % of capacity",
                 "knock -> admitted s",
                 "left out",

@@ -6,6 +6,7 @@
 #include "exact.h"
 #include "grad_buffer.h"
 #include "grad_store.h"
+#include "interrupt.h"
 #include "ops.h"
 #include "reducer.h"
 
@@ -63,6 +64,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("outputs"), py::arg("timeout_seconds"),
         py::call_guard<py::gil_scoped_release>(),
         "outputs[r] becomes group rank r's input.");
+
+  // Note [Interrupting a wait] in interrupt.cpp.
+  m.def("interrupt_group", &vflow::interrupt_group, py::arg("group"),
+        "From any thread: every wait on the group's collectives ends at once.");
+  m.def("group_interrupted", &vflow::group_interrupted, py::arg("group"));
+  m.def("group_busy", &vflow::group_busy, py::arg("group"),
+        "Whether a collective an interrupted wait left behind still runs.");
 
   using vflow::Reducer;
   py::register_exception<vflow::CollectiveError>(m, "CollectiveError", PyExc_RuntimeError);

@@ -1,5 +1,7 @@
 #include "collectives.h"
 
+#include "interrupt.h"
+
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
@@ -64,11 +66,13 @@ void scatter_back(const at::Tensor& flat, const std::vector<at::Tensor>& tensors
 
 // Starts a collective with `start` and waits for it; backend errors, raised when
 // starting or when waiting, become std::runtime_error without the C++ backtrace.
+// An interrupted group fails the wait too (Note [Interrupting a wait], interrupt.cpp).
 template <typename Start>
-void run(Start&& start, std::chrono::milliseconds timeout) {
+void run(const c10::intrusive_ptr<c10d::ProcessGroup>& group, Start&& start,
+         std::chrono::milliseconds timeout) {
   try {
     c10::intrusive_ptr<c10d::Work> work = start();
-    work->wait(timeout);
+    wait_for(group, work, timeout);
   } catch (const std::exception& e) {
     throw std::runtime_error(error_text(e));
   }
@@ -86,7 +90,7 @@ void all_reduce_sum_(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   options.timeout = timeout;
-  run([&] { return group->allreduce(mine, options); }, timeout);
+  run(group, [&] { return group->allreduce(mine, options); }, timeout);
   scatter_back(mine[0], tensors);
 }
 
@@ -103,7 +107,7 @@ void broadcast_(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
   options.rootRank = root;
   options.rootTensor = 0;
   options.timeout = timeout;
-  run([&] { return group->broadcast(mine, options); }, timeout);
+  run(group, [&] { return group->broadcast(mine, options); }, timeout);
   scatter_back(mine[0], tensors);
 }
 
@@ -130,7 +134,7 @@ void all_gather_into(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
   }
   c10d::AllgatherOptions options;
   options.timeout = timeout;
-  run([&] { return group->allgather(gathered, mine, options); }, timeout);
+  run(group, [&] { return group->allgather(gathered, mine, options); }, timeout);
   for (const auto r : c10::irange(outputs.size())) {
     outputs[r].copy_(gathered[0][r]);
   }

@@ -1,6 +1,7 @@
 #include "comm.h"
 
 #include "collectives.h"
+#include "interrupt.h"
 
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
@@ -76,10 +77,28 @@ void Comm::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& w
   RECORD_FUNCTION("vflow::wait", std::vector<c10::IValue>());
   const auto start = std::chrono::steady_clock::now();
   try {
-    work->wait(timeout_);
+    wait_for(group_, work, timeout_);
   } catch (const std::exception& e) {
     const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
     fail(what, error_text(e), waited.count());
+  }
+}
+
+void Comm::drain(const std::vector<c10::intrusive_ptr<c10d::Work>>& works) const {
+  for (size_t i = 0; i < works.size(); ++i) {
+    try {
+      wait_for(group_, works[i], timeout_);
+    } catch (const std::exception&) {
+      // The group is broken: the collectives after this one cannot complete either.
+      // After an interrupt they still run on the backend's thread (Note [Interrupting
+      // a wait], interrupt.cpp), where the group's owner must wait them out.
+      if (group_interrupted(group_)) {
+        for (size_t j = i + 1; j < works.size(); ++j) {
+          abandon(group_, works[j]);
+        }
+      }
+      return;
+    }
   }
 }
 

@@ -59,8 +59,12 @@ class Comm {
                                       const std::string& what);
   c10::intrusive_ptr<c10d::Work> recv(at::Tensor tensor, int64_t peer, int tag,
                                       const std::string& what);
-  // Waits at most the timeout; a failure throws CollectiveError.
+  // Waits at most the timeout, or until the group is interrupted (Note [Interrupting a
+  // wait] in interrupt.cpp); a failure or an interrupt throws CollectiveError.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) const;
+  // After a failed step: waits for each of `works` in turn until one fails, leaving
+  // the rest (Note [Interrupting a wait] in interrupt.cpp); never throws.
+  void drain(const std::vector<c10::intrusive_ptr<c10d::Work>>& works) const;
   // Throws CollectiveError naming the step, `what` and the group; `waited_s` is how
   // long the failed wait lasted (Note [Saying what failed] in comm.cpp).
   [[noreturn]] void fail(const std::string& what, const std::string& cause,

@@ -398,13 +398,7 @@ void Reducer::discard() {
     in_flight.push_back(std::move(stats_work_));
   }
   clear_pending();
-  for (const auto& work : in_flight) {
-    try {
-      work->wait(comm_.timeout());
-    } catch (const std::exception&) {
-      break;  // the group is broken; the other collectives cannot complete either
-    }
-  }
+  comm_.drain(in_flight);
   end_step();
 }
 
@@ -421,13 +415,7 @@ void Reducer::reduce_as_is(int64_t step) {
     reduction_->wait_all(comm_);
     reduction_->write_result(1.0);
   } catch (...) {
-    for (const auto& work : reduction_->take_in_flight()) {
-      try {
-        work->wait(comm_.timeout());
-      } catch (const std::exception&) {
-        break;
-      }
-    }
+    comm_.drain(reduction_->take_in_flight());
     reduction_->end_step();
     throw;
   }

@@ -40,6 +40,17 @@ elastic job]). ``--lr-schedule onecycle`` steps a ``OneCycleLR`` over ``--steps`
 per step, registered with the executor (``ex.register_state``), so that a worker joining
 mid-schedule receives the schedule's position with the model and the optimizer.
 
+SIGUSR1 to any worker suspends the whole job (``ElasticJob.suspend``): every worker
+stops after the same step and exits 0, the lowest-ranked one having saved the state to
+``--checkpoint`` (which suspending needs). Started again later with the same ``--job``
+and ``--checkpoint``, on any number of workers, the job resumes from that step, and
+with ``--deterministic`` it ends bitwise as if it had never stopped (the OneCycleLR
+schedule, registered with the executor, is in the checkpoint too)::
+
+    kill -USR1 <pid of any worker>    # or Slurm, before a time limit: --signal=USR1@60
+    python examples/train_elastic.py --rdzv 127.0.0.1:29400 --job digits \\
+        --steps 2000 --virtual-nodes 8 --seed 0 --deterministic --checkpoint digits.pt
+
 When the job reaches ``--steps``, its lowest-ranked worker writes
 ``{"model", "optimizer", "scheduler", "step"}`` to ``--out`` (``torch.load(path)``;
 ``scheduler`` is None for a constant LR); the others write nothing, and so does a worker
@@ -249,6 +260,16 @@ def main(argv: list[str] | None = None) -> int:
         loader.close()
         if log_file is not None:
             log_file.close()
+    if job.suspended:
+        _log.info(
+            "job %r suspended at step %d; start it again with the same --job and --checkpoint "
+            "to resume it",
+            args.job_id,
+            job.suspended_step,
+        )
+        if ex is not None:
+            ex.close()
+        return 0
     if ex is None:
         _log.info("job %r had finished before this worker could join; nothing to do", args.job_id)
         return 0

@@ -57,6 +57,7 @@ def test_the_costs_default_to_vflows_measured_ones(tmp_path: Path) -> None:
         "shrink_s": 0.2,
         "restart_s": 2.6,
         "start_per_worker_s": 0.0,
+        "release_s": 0.0,
     }
     assert result["avg_jct_s"] == pytest.approx(2.6 + 420.0)
 

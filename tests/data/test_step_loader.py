@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import time
 from typing import Any
 
@@ -110,6 +111,46 @@ def test_batches_follow_the_step_count_plan_and_rank_in_the_same_workers() -> No
         assert indices == _expected(7, 21, other.plan, 0)
         assert sampler.executor is other
         assert other.forgotten == 1
+
+
+def _children() -> list[int]:
+    me = str(os.getpid())
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[1] == me and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for the loader's workers")
+def test_the_loaders_workers_outlive_a_leave_or_suspend_signal_to_every_process() -> None:
+    # Note [A leave is the worker's, not its loader's]: scancel --full --signal=TERM
+    # reaches them too; the worker leaves after its step, which needs its batches.
+    follower = _Follower(vflow.Plan.even(V, 1), rank=0)
+    sampler = VNBatchSampler(N, B, seed=7)
+    # This process may have other children already (multiprocessing's resource
+    # tracker or forkserver, another test's helpers).
+    before = set(_children())
+    with StepLoader(_Samples(), sampler, num_workers=2) as loader:
+        _take(loader, follower, 0)
+        follower.step_count = 1
+        workers = set(_children()) - before  # the loader's two worker processes
+        assert len(workers) == 2
+        for pid in workers:
+            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGUSR1)
+        time.sleep(0.5)
+        for step in range(1, 5):
+            indices, got_pids, _ = _take(loader, follower, step)
+            assert indices == _expected(7, step, follower.plan, 0)
+            assert got_pids <= workers
+            follower.step_count += 1
 
 
 def test_in_process_loading_and_an_executor(tmp_path: Any) -> None:

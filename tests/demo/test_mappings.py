@@ -4,6 +4,7 @@ at the same point of the data, and a short run end to end with real Gloo workers
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,58 +29,73 @@ def test_mapping_specs() -> None:
 
 
 def test_short_run_gives_identical_vflow_mappings_and_writes_the_plot(tmp_path: Path) -> None:
-    out = tmp_path / "demo"
-    result = subprocess.run(
-        [sys.executable, "-m", "vflow", "demo", "--epochs", "2", "--mappings", "1", "2", "3,2,1",
-         "--virtual-nodes", "6", "--batch-size", "128", "--out", str(out), "--no-elastic"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "bitwise-identical parameters (max parameter difference 0)" in result.stdout
+    """The demo's mapping runs end to end with real Gloo workers. CI runs the main job
+    (``make demo``) before the tests and passes its output folder in VFLOW_DEMO_OUT:
+    this test then checks what that run wrote instead of running a short demo of its
+    own (its printed lines are checked only on its own run)."""
+    given = os.environ.get("VFLOW_DEMO_OUT")
+    out = Path(given) if given else tmp_path / "demo"
+    if not given:
+        result = subprocess.run(
+            [sys.executable, "-m", "vflow", "demo", "--epochs", "2", "--mappings", "1", "2",
+             "3,2,1", "--virtual-nodes", "6", "--batch-size", "128", "--out", str(out),
+             "--no-elastic", "--no-pipeline"],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "bitwise-identical parameters (max parameter difference 0)" in result.stdout
+        assert "heterogeneous workers, EMULATED" in result.stdout
+        assert not (out / "elastic.json").exists()  # --no-elastic
     record = json.loads((out / "results.json").read_text())
+    settings = record["settings"]
+    v, batch = settings["virtual_nodes"], settings["batch_size"]
     assert record["vflow_identical"] is True
     runs = {r["name"]: r for r in record["runs"]}
     vflow_runs = [r for r in runs.values() if r["counts"] is not None]
     baselines = [r for r in runs.values() if r["counts"] is None]
-    # The 3 mappings, then the 2 heterogeneous runs (2:1, emulated): same bits as well.
-    assert len(vflow_runs) == 5 and all(r["max_param_diff"] == 0.0 for r in vflow_runs)
+    mapped = [r for r in vflow_runs if r["slowdown"] is None]
+    # The mappings, then the 2 heterogeneous runs (2:1, emulated): same bits as well.
+    assert len(vflow_runs) == len(mapped) + 2 and len(mapped) >= 3
+    assert all(r["max_param_diff"] == 0.0 for r in vflow_runs)
+    assert all(sum(r["counts"]) == v and r["global_batch"] == batch for r in vflow_runs)
     even, auto = (r for r in vflow_runs if r["slowdown"] is not None)
     assert even["slowdown"] == auto["slowdown"] == [1.0, 2.0]
     assert (even["auto_plan"], even["plan_changes"]) == (False, [])
-    # plan="auto" weighs moving a VN to the fast worker after the warm-up (the first
-    # step's profile dropped, 4 profiled, one step late): [4, 2] takes 4 units against
-    # the even plan's 6. Whether it moves depends on the step time's noise, which the
-    # other tests running beside this one set (the gain itself: make demo, README);
-    # if it moves on the warm-up's profiles, [4, 2] is the only better plan. Later
-    # changes follow the speeds measured since ("settled", "drift"), which the tests
-    # beside this one skew: only their shape is checked.
-    assert auto["auto_plan"] and auto["plan_decisions"][0].startswith("step 6: ")
-    # Under that noise the warm-up's profiles may even hide the slow worker (CI saw
-    # "no better plan under the model" at step 6); the speeds measured later must not.
-    first = auto["plan_decisions"][0]
-    assert "[4, 2]" in first or "no better plan" in first, auto["plan_decisions"]
-    assert any("[4, 2]" in d for d in auto["plan_decisions"]), auto["plan_decisions"]
-    changes = auto["plan_changes"]
-    assert all(c["counts"] == [4, 2] for c in changes if c["reason"] == "profiled"), changes
-    assert all(sum(c["counts"]) == 6 and c["predicted_gain"] > 1 for c in changes), changes
-    assert "heterogeneous workers, EMULATED" in result.stdout
+    # plan="auto" weighs moving VNs to the fast worker after the warm-up (the first
+    # step's profile dropped, 4 profiled, one step late). Which plan it picks there rests
+    # on the step times the other tests running beside this one skew: CI has seen [4, 2]
+    # (4 units against the even plan's 6), [5, 1] (a 3x slowdown measured) and "no better
+    # plan" (the slowdown hidden). That it finds [4, 2] is the demo's claim, measured
+    # where nothing runs beside it (make demo, README). Checked here: every decision
+    # falls at or after the warm-up, every change moves VNs off the slow worker (rank 1)
+    # for a predicted gain, and by the end the slow worker holds fewer VNs.
+    decisions, changes = auto["plan_decisions"], auto["plan_changes"]
+    assert auto["auto_plan"] and decisions[0].startswith("step 6: "), decisions
+    assert all(int(d.split()[1].rstrip(":")) >= 6 for d in decisions), decisions
+    assert changes, decisions
+    assert all(c["counts"][1] < c["counts"][0] for c in changes), (changes, decisions)
+    assert all(sum(c["counts"]) == v and c["predicted_gain"] > 1 for c in changes), changes
     assert len(auto["step_seconds"]) == len(auto["losses"])
-    # The baseline's global batch follows the worker count: 1 x 64 and 2 x 64.
-    assert sorted(r["global_batch"] for r in baselines) == [64, 128]
+    # The baseline's global batch follows the worker count: W x the per-device batch,
+    # for each even mapping's W.
+    even_workers = sorted(len(r["counts"]) for r in mapped if len(set(r["counts"])) == 1)
+    per_device = settings["baseline_batch"]
+    assert sorted(r["global_batch"] for r in baselines) == [w * per_device for w in even_workers]
     assert any(r["max_param_diff"] > 0 for r in baselines)
     # Per step, against the first run after the same samples: exactly 0 for every vflow
-    # mapping at every step; the baseline run with the first's global batch matches it
-    # at every step, the other one at every second.
+    # mapping at every step; a baseline of the first's global batch matches it at every
+    # step, one of a k-th of it first at step k, and trains a different model.
     for r in vflow_runs:
         assert r["param_diff_per_step"] == [0.0] * len(r["losses"])
-    same_batch, half_batch = sorted(baselines, key=lambda r: -r["global_batch"])
-    assert all(d is not None for d in same_batch["param_diff_per_step"])
-    assert half_batch["param_diff_per_step"][1::2] != [None] * (len(half_batch["losses"]) // 2)
-    assert half_batch["param_diff_per_step"][0] is None
-    assert max(d for d in half_batch["param_diff_per_step"] if d is not None) > 0
+    for r in baselines:
+        diffs, k = r["param_diff_per_step"], batch // r["global_batch"]
+        assert diffs[: k - 1] == [None] * (k - 1) and diffs[k - 1] is not None, r["name"]
+        if k == 1:
+            assert all(d is not None for d in diffs), r["name"]
+        else:
+            assert max(d for d in diffs if d is not None) > 0, r["name"]
     png = (out / "loss_curves.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
-    assert not (out / "elastic.json").exists()  # --no-elastic (tests/demo/test_elastic_scenario.py)
 
 
 def _outcome(name: str, global_batch: int, steps_per_epoch: int, values: list[float]):

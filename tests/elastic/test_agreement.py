@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import socket
 import time
+import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -27,7 +29,7 @@ from vflow.elastic.agreement import (
     connected,
 )
 from vflow.elastic.groups import Groups, WorkerSet, next_member
-from vflow.elastic.rendezvous import GONE_AFTER_S
+from vflow.elastic.rendezvous import BROKEN, GONE_AFTER_S
 from vflow.elastic.reporting import Reporter
 from vflow.world import network
 from vflow.world.store import RequestCounts
@@ -58,18 +60,17 @@ def _recovery(timeout_s: float, gone_after_s: float = GONE_AFTER_S) -> Recovery:
 
 
 def _rows(store: dist.Store, step: str) -> dict[Any, Any]:
-    """The answers of the first agreement's ``step`` ("alive", "reach"), by rank: a key
-    each, named in the step's index (Note [An agreement's requests]), and under "gone"
-    the ranks found gone (Note [A verdict said once])."""
+    """The answers of the first agreement's ``step`` ("alive", "reach"), by rank: a line
+    each in the step's index (Note [An agreement's requests]), and under "gone" the
+    ranks found gone (Note [A verdict said once])."""
     key = f"{KEYS}/{step}"
     rows: dict[Any, Any] = {"gone": set()}
-    for name in store.get(f"{key}/index").decode().split(","):
-        if name:
-            first, second = json.loads(store.get(f"{key}/{name}"))
-            if first == "gone":
-                rows["gone"].add(second)
-            else:
-                rows[first] = second
+    for line in store.get(f"{key}/index").decode().splitlines():
+        first, second = json.loads(line)
+        if first == "gone":
+            rows["gone"].add(second)
+        else:
+            rows[first] = second
     return rows
 
 
@@ -140,10 +141,10 @@ def test_survivors_agree_on_a_set_whose_every_pair_reaches_each_other() -> None:
 
 def test_a_survivors_requests_per_poll_do_not_grow_with_the_set() -> None:
     """Note [An agreement's requests]: a poll reads the answers' counter, and when it
-    moved the index and the answers not read yet in one request; the beats of the
-    workers watched are one request after a check: for a set of 3 as for a set of 40.
-    A beat key the store lost (a restart) is made, not waited for. An answer written
-    but not yet in the index (its writer between its requests) is read once it is."""
+    moved the index, which holds the answers; the beats of the workers watched are one
+    request after a check: for a set of 3 as for a set of 40. A beat key the store lost
+    (a restart) is made, not waited for. An answer appended but not yet counted (its
+    writer between its requests) is read at once, and once only."""
     with local_store(JOB) as (_store, worker):
         counts = RequestCounts()
         me = worker(counts)
@@ -157,7 +158,7 @@ def test_a_survivors_requests_per_poll_do_not_grow_with_the_set() -> None:
             before = counts.total("main")
             said, gone = reader.read()
             assert sorted(said) == ranks and not gone
-            assert counts.total("main") - before == 3  # counter, index, multi_get
+            assert counts.total("main") - before == 2  # counter, index
             before = counts.total("main")
             assert reader.read()[0] == said and counts.total("main") - before == 1
             for r in ranks:
@@ -170,28 +171,37 @@ def test_a_survivors_requests_per_poll_do_not_grow_with_the_set() -> None:
         assert counts.total("main") - before == 2  # check + add
         key = "vflow/half-written/alive"
         _say(rnd.store, key, 0, "a")
-        rnd.store.set(f"{key}/a1", json.dumps([1, "b"]))  # 1 wrote, and has not listed it
-        _say(rnd.store, key, 2, "c")
+        rnd.store.append(f"{key}/index", json.dumps([1, "b"]) + "\n")  # 1 has not counted it
         reader = _Reader(rnd.store, key, [0, 1, 2])
-        assert sorted(reader.read()[0]) == [0, 2]
-        rnd.store.append(f"{key}/index", "a1,")
-        rnd.store.add(f"{key}/n", 1)
-        assert sorted(reader.read()[0]) == [0, 1, 2]
+        assert reader.read()[0] == {0: "a", 1: "b"}
+        rnd.store.add(f"{key}/n", 1)  # 1 counts it: nothing new
+        _say(rnd.store, key, 2, "c")
+        assert reader.read()[0] == {0: "a", 1: "b", 2: "c"} and reader.fresh == [2]
 
 
 def test_each_silent_worker_is_watched_by_the_survivor_before_it() -> None:
     """Note [Each silent worker watched once]: a survivor watches the workers after it
-    in the set's order up to the next survivor, and that one; past a survivor found
-    gone; around the ring."""
+    in the set's order up to the next survivor, and that one while pending workers
+    follow it; past a survivor found gone; around the ring. Once only the dead are left
+    to find, only their watchers are watched, and they watch them: one request a poll
+    for the others."""
     order = [0, 1, 2, 3, 4, 5]
     said = {0: "", 3: "", 4: ""}
     pending = {1, 2, 5}
-    assert _watched(order, 0, said, set(), pending) == [1, 2, 3]
-    assert _watched(order, 3, said, set(), pending) == [4]
-    assert _watched(order, 4, said, set(), pending) == [5, 0]
+    assert _watched(order, 0, said, set(), pending) == [1, 2]  # 3 has nobody to watch
+    assert _watched(order, 3, said, set(), pending) == [4]  # 4 watches 5
+    assert _watched(order, 4, said, set(), pending) == [5, 0]  # 0 watches 1 and 2
     assert _watched(order, 0, said, {3}, pending) == [1, 2, 4]  # 3 answered, then died
     assert _watched(order, 0, {0: ""}, set(), {1, 2, 3, 4, 5}) == [1, 2, 3, 4, 5]
-    assert _watched([2, 0, 1], 1, {1: "", 0: ""}, set(), {2}) == [2, 0]  # the set's order
+    assert _watched([2, 0, 1], 1, {1: "", 0: ""}, set(), {2}) == [2]  # the set's order
+    everyone_but_2 = {r: "" for r in order if r != 2}
+    assert [_watched(order, r, everyone_but_2, set(), {2}) for r in everyone_but_2] == [
+        [1],
+        [2],
+        [],
+        [],
+        [],
+    ]
 
 
 def test_a_survivor_takes_an_earlier_survivors_verdict_that_a_worker_is_gone() -> None:
@@ -293,3 +303,91 @@ def test_a_worker_silent_since_before_the_failure_is_judged_without_waiting_agai
             assert sorted(looked) == [0, 1] and time.monotonic() - start >= 2.0
         finally:
             silent.close()
+
+
+def test_a_worker_that_beats_but_does_not_answer_is_told_its_set_broke_once() -> None:
+    """Note [A survivor blocked on survivors]: the survivor that watches a worker which
+    still beats but has not answered tells it, once, that its set broke; that worker's
+    rendezvous interrupts its waits on that set only. The "reach" step tells nobody
+    (whoever it waits for has answered already)."""
+    with local_store(JOB) as (_store, worker):
+        me, other = worker(), worker()
+        rnd = me.adopt(ROUND, 0, 0)
+        theirs = WorkerSet(other.adopt(ROUND, 0, 1), [0, 1])
+        workers = WorkerSet(rnd, [0, 1])
+        key = f"{KEYS}/alive"
+        told: list[float] = []
+        # The blocked collective fails, and the worker answers.
+        answering = _World(told, lambda: _say(theirs.round.store, key, 1, other.probe_endpoint))
+        other.interrupt_on_broken(theirs.key, answering.interrupt)
+        assert theirs.key == workers.key == f"{ROUND}/set0"
+        # A message naming another set (an older one) is ignored.
+        assert network.tell([other.probe_endpoint], f"{BROKEN} {ROUND}/set7") == [True]
+        _say(rnd.store, key, 0, me.probe_endpoint)
+        start = time.monotonic()
+        said = _recovery(60.0)._answers(me, workers, key, [0, 1], tell_broken=True)
+        assert sorted(said) == [0, 1]
+        assert len(told) == 1
+        assert time.monotonic() - start < GONE_AFTER_S  # not judged gone: it answered
+        # Waiting on a worker that beats and never answers tells nobody without
+        # tell_broken; the wait ends at timeout_s.
+        reach = f"{KEYS}/reach"
+        _say(rnd.store, reach, 0, [])
+        said = _recovery(1.0)._answers(me, workers, reach, [0, 1])
+        assert sorted(said) == [0] and len(told) == 1
+        # The executor's World is held weakly: a group dropped after a failure must
+        # close its connections at once (Note [Recovering within the round]).
+        world = _World(told, lambda: None)
+        held = weakref.ref(world)
+        other.interrupt_on_broken(theirs.key, world.interrupt)
+        del world
+        assert held() is None
+        assert network.tell([other.probe_endpoint], f"{BROKEN} {theirs.key}") == [True]
+        time.sleep(0.5)
+        assert len(told) == 1
+
+
+class _World:
+    """Stands in for vflow.world.World: what a broken set's message calls."""
+
+    def __init__(self, told: list[float], then: Callable[[], None]) -> None:
+        self.told = told
+        self.then = then
+
+    def interrupt(self) -> None:
+        self.told.append(time.monotonic())
+        self.then()
+
+
+def test_a_worker_whose_probe_refuses_the_message_is_gone_though_its_beats_move() -> None:
+    """Note [A survivor blocked on survivors]: a watched worker that has not answered
+    and whose probe refuses the message is dead (Note [Beats]): found gone on that
+    refusal, said once, without waiting for its beats to stand still (here they keep
+    moving) or for gone_after_s."""
+    with local_store(JOB) as (_store, worker):
+        me, other = worker(), worker()
+        rnd = me.adopt(ROUND, 0, 0)
+        other.adopt(ROUND, 0, 1)
+        workers = WorkerSet(rnd, [0, 1])
+        other.close()  # its probe refuses from now on
+        stop = False
+
+        def beat() -> None:
+            while not stop:
+                rnd.store.add("beat/1", 1)
+                time.sleep(0.02)
+
+        key = f"{KEYS}/alive"
+        _say(rnd.store, key, 0, me.probe_endpoint)
+        with ThreadPoolExecutor(1) as pool:
+            beating = pool.submit(beat)
+            try:
+                said = _recovery(5.0, gone_after_s=1e6)._answers(
+                    me, workers, key, [0, 1], tell_broken=True
+                )
+            finally:
+                stop = True
+            beating.result()
+        assert me.beats([1])[1] > 1  # they moved
+        assert sorted(said) == [0]
+        assert _rows(rnd.store, "alive") == {0: me.probe_endpoint, "gone": {1}}

@@ -408,6 +408,30 @@ def test_a_worker_stopped_past_the_timeout_is_left_out_then_joins_again(job: Job
     assert job.steps("b")[-1]["workers"] == 2
 
 
+def test_a_worker_the_rendezvous_dropped_does_not_stall_the_others(job: Job) -> None:
+    """The worker of rank 0 stops its rendezvous heartbeats (a CPU-starved process) and
+    the rendezvous drops it; it leaves its worker set and joins again. The others recover
+    without waiting for its answer, which never comes: at their timeout (60 s) before."""
+    job.workers = 3
+    flags = ("--lapse-step", "2", "--timeout", "60")
+    job.start("a", *flags)
+    job.wait_steps("a", 1)
+    job.start("b", *flags)
+    job.start("c", *flags)
+    codes = job.wait(timeout=240)
+    assert codes == {"a": 0, "b": 0, "c": 0}, job.stderr("a") + job.stderr("b") + job.stderr("c")
+    _assert_same_training(job)
+    dropped = [
+        w
+        for w in "abc"
+        if any("heartbeats lapsed and round" in line for line in _logged(job, w, "WARNING"))
+    ]
+    assert len(dropped) == 1, [job.stderr(w) for w in "abc"]
+    for worker in sorted(set("abc") - set(dropped)):
+        crash = next(e for e in job.events(worker) if e["reason"] == "crash")
+        assert crash["seconds"] < 30, (worker, job.events(worker))
+
+
 def test_two_failures_in_a_row(job: Job) -> None:
     job.workers = 3
     job.start("a")
@@ -647,15 +671,17 @@ def test_a_knocker_that_died_waiting_for_a_place_costs_the_members_nothing(job: 
     which nobody acknowledges: a goes on alone after _ACK_S instead of waiting for c's
     connection until the 10 s timeout; d, knocking later, is let in at once."""
     common = ("--virtual-nodes", "2", "--timeout", "10")
-    job.workers = 99  # never reached: every step sleeps, so the job outlasts the events
-    job.start("a", *common, steps=90)
+    steps = 200
+    # a sleeps every step until d is in (its third change), however long d takes to
+    # start; from then on the job runs at full speed.
+    job.start("a", *common, "--sleep-until-changes", "3", steps=steps)
     job.wait_steps("a", 1)
-    job.start("b", *common, steps=90)
+    job.start("b", *common, "--sleep-until-changes", "99", steps=steps)
     deadline = time.monotonic() + 60
     while _knocks(job) < 1 or max(line["workers"] for line in job.steps("a")) < 2:
         assert time.monotonic() < deadline, job.stderr("a")
         time.sleep(0.05)
-    job.start("c", *common, steps=90)
+    job.start("c", *common, steps=steps)
     while _knocks(job) < 2:
         assert time.monotonic() < deadline and job.procs["c"].poll() is None, job.stderr("c")
         time.sleep(0.05)
@@ -664,10 +690,10 @@ def test_a_knocker_that_died_waiting_for_a_place_costs_the_members_nothing(job: 
     assert job.procs["b"].wait(timeout=60) == 0, job.stderr("b")
     alone = len(job.steps("a"))
     job.wait_steps("a", alone + 3)
-    job.start("d", *common, steps=90)
+    job.start("d", *common, "--sleep", "0", steps=steps)
     codes = job.wait(only=["a", "d"])
     assert codes == {"a": 0, "d": 0}, job.stderr("a") + job.stderr("d")
-    _assert_same_training(job, steps=90, virtual_nodes=2)
+    _assert_same_training(job, steps=steps, virtual_nodes=2)
     assert _reasons(job, "a") == ["start", "grow", "leave", "grow", "finish"], job.events("a")
     last_grow = [e for e in job.events("a") if e["reason"] == "grow"][-1]
     assert last_grow["seconds"] < 3.0, job.events("a")

@@ -61,6 +61,13 @@ def test_the_first_claim_wins_and_is_in_the_journal_when_it_returns(tmp_path: Pa
             assert _journal(journal) == {"j": won}
             assert second.claim("vflow/j/boot/round1") == won
             assert second.lineage is None and first.lineage == won
+            # Another member of the winning round, claiming after the first did: the job
+            # is its set's too (its poller fences on the record, its suspend marks it).
+            member = worker_rendezvous(f"127.0.0.1:{port}", "j")
+            try:
+                assert member.claim("vflow/j/boot/round0") == won and member.lineage == won
+            finally:
+                member.close()
             raw = _client(port).get(records.record_key("j")).decode()
             assert raw == records.encode(won)  # the same bytes on every worker
             first.finish_record()

@@ -286,52 +286,60 @@ def _job_lines(log: Path, pids: set[int]) -> list[dict[str, Any]]:
     return [line for line in lines if line.get("pid") in pids]
 
 
-@pytest.mark.slow
-def test_a_schedule_and_a_dataloader_through_join_crash_and_leave_bitwise(tmp_path: Path) -> None:
-    """The example with a OneCycleLR schedule and 2 DataLoader worker processes: B joins
-    mid-schedule, C joins and is killed (SIGKILL), B leaves (SIGTERM); the job ends
-    bitwise where the same flags end on one worker, scheduler included, and the batch
-    log shows every step's global batch trained exactly once, by a complete worker
-    set."""
-    steps, batch = 150, 64
-    log = tmp_path / "steps.jsonl"
-    words = [
+def _scheduled_line(job: str, steps: int, *extra: str) -> list[str]:
+    """The example's line with a OneCycleLR schedule and 2 DataLoader worker processes,
+    sleeping 0.2 s before each step until the worker set changed 4 times (the
+    scenarios have at most 4 changes: the first worker holds their pace until their
+    last event, however long the others take to start), plus ``extra``."""
+    return [
         str(REPO_ROOT / ".venv" / "bin" / "python"),
         str(SCRIPT),
         "--rdzv",
         f"127.0.0.1:{README_PORT}",
         "--job",
-        "scheduled",
+        job,
         "--steps",
         str(steps),
         "--virtual-nodes",
         "8",
-        "--batch-size",
-        str(batch),
         "--seed",
         "0",
         "--deterministic",
         "--out",
         "final.pt",
         "--sleep",
-        "0.1",
+        "0.2",
+        "--sleep-until-changes",
+        "4",
         "--lr-schedule",
         "onecycle",
         "--loader-workers",
         "2",
-        "--log",
-        str(log),
+        *extra,
     ]
+
+
+@pytest.mark.slow
+def test_a_schedule_and_a_dataloader_through_join_crash_and_leave_bitwise(tmp_path: Path) -> None:
+    """The example with a OneCycleLR schedule and 2 DataLoader worker processes: B joins
+    mid-schedule, C joins and is killed (SIGKILL), B leaves (SIGTERM); the job ends
+    bitwise where the same flags end on one worker, scheduler included, and the batch
+    log shows every step's global batch trained exactly once, by a complete worker
+    set. A sleeps before each step until B has left (its fourth change), so that the
+    scenario fits in the schedule however long B and C take to start."""
+    steps, batch = 200, 64
+    log = tmp_path / "steps.jsonl"
+    words = _scheduled_line("scheduled", steps, "--batch-size", str(batch), "--log", str(log))
     out, alone = tmp_path / "final.pt", tmp_path / "alone.pt"
     with store_process() as (_, endpoint):
         workers = Workers(words, int(endpoint.rsplit(":", 1)[1]), tmp_path)
         try:
-            workers.start("alone", job="alone", out=str(alone))
+            workers.start("alone", job="alone", out=str(alone), sleep="0")
             workers.start("a", out=str(out))
             workers.wait_for("a", "A training", lambda e: "start" in _reasons(e))
             a_pid = workers.procs["a"].pid
-            # B starts a fifth into the schedule; with its start-up it joins near 40 %.
-            _wait_for_step(log, a_pid, steps // 5, workers)
+            # B starts a tenth into the schedule; with its start-up it joins near 30 %.
+            _wait_for_step(log, a_pid, steps // 10, workers)
             workers.start("b", out=str(out))
             workers.wait_for("a", "B joining", lambda e: _reasons(e).count("grow") == 1)
             workers.start("c", out=str(out))
@@ -384,3 +392,40 @@ def _wait_for_step(log: Path, pid: int, step: int, workers: Workers) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"A did not reach step {step}:\n{workers.stderr('a')[-4000:]}")
+
+
+@pytest.mark.slow
+def test_a_suspended_job_resumes_with_its_schedule_and_dataloader_bitwise(tmp_path: Path) -> None:
+    """The example with a OneCycleLR schedule and 2 DataLoader worker processes, on two
+    workers: SIGUSR1 to one suspends both at one step (exit status 0, the state in
+    --checkpoint); the same line started again, once, resumes from that step and ends
+    bitwise where the flags end on one worker without a stop, scheduler included
+    (Note [Suspending a job])."""
+    steps = 100
+    ckpt = tmp_path / "job.pt"
+    words = _scheduled_line("suspended", steps, "--checkpoint", str(ckpt))
+    out, alone = tmp_path / "final.pt", tmp_path / "alone.pt"
+    with store_process() as (_, endpoint):
+        workers = Workers(words, int(endpoint.rsplit(":", 1)[1]), tmp_path)
+        try:
+            workers.start("alone", job="alone", out=str(alone), sleep="0")
+            workers.start("a", out=str(out))
+            workers.wait_for("a", "A training", lambda e: "start" in _reasons(e))
+            workers.start("b", out=str(out))
+            workers.wait_for("a", "B joining", lambda e: "grow" in _reasons(e))
+            workers.procs["b"].send_signal(signal.SIGUSR1)
+            codes = workers.wait(["a", "b"], timeout=120)
+            assert codes == {"a": 0, "b": 0}, workers.stderr("a")[-4000:]
+            assert not out.exists()
+            suspended = workers.events("a")[-1]
+            assert suspended[2] == "suspend" and workers.events("b")[-1] == suspended
+            assert f"job 'suspended' suspended at step {suspended[0]}" in workers.stderr("b")
+            workers.start("c", out=str(out), sleep="0")
+            codes = workers.wait(["c", "alone"], timeout=120)
+            assert codes == {"c": 0, "alone": 0}, workers.stderr("c")[-4000:]
+        finally:
+            workers.kill_all()
+    assert workers.events("c") == [(suspended[0], 1, "resume"), (steps, 1, "finish")]
+    got, want = torch.load(out, weights_only=True), torch.load(alone, weights_only=True)
+    assert_bitwise_equal(got, want)
+    assert got["scheduler"] == want["scheduler"] and got["scheduler"]["last_epoch"] == steps

@@ -1,5 +1,5 @@
 """plan="auto" on two Gloo ranks, one of them emulated slower (vflow.planning.emulation): the
-executor finds the plan the speeds imply, re-plans when a worker slows down, and in
+executor finds the plan the speeds imply, re-plans when the speeds change, and in
 deterministic mode trains bitwise as one process does, through every plan change."""
 
 from __future__ import annotations
@@ -40,6 +40,14 @@ def _loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> t
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
+def _factor(rank: int, step: int, straggle: bool) -> float:
+    """Rank 1 is 3x slower; in the straggler run, from SLOW_FROM on, rank 0 is instead.
+    The straggler's plan must move VNs the other way than any plan made before it, so
+    a plan that noise moved early cannot stand in for the re-plan."""
+    slow_rank = 0 if straggle and step >= SLOW_FROM else 1
+    return 3.0 if rank == slow_rank else 1.0
+
+
 def _train(process_group: Any, loss_fn: Any, slow: SlowDown | None, straggle: bool) -> dict:
     model = _model()
     ex = vflow.Executor(
@@ -56,7 +64,7 @@ def _train(process_group: Any, loss_fn: Any, slow: SlowDown | None, straggle: bo
     plans = []
     for step, batch in enumerate(_batches()):
         if slow is not None:
-            slow.factor = 3.0 if step >= SLOW_FROM or not straggle else 1.0
+            slow.factor = _factor(torch.distributed.get_rank(), step, straggle)
         ex.step(batch)
         plans.append(ex.plan.counts)
     return {
@@ -71,8 +79,8 @@ def _rank(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
     results = {}
     for straggle in (False, True):
-        slow = SlowDown(_loss, 1.0) if rank == 1 else None
-        results[straggle] = _train(torch.distributed.group.WORLD, slow or _loss, slow, straggle)
+        slow = SlowDown(_loss, 1.0)
+        results[straggle] = _train(torch.distributed.group.WORLD, slow, slow, straggle)
     return results
 
 
@@ -97,6 +105,10 @@ def test_auto_plans_follow_emulated_speeds_and_keep_the_bits() -> None:
     assert first[1] in ("profiled", "drift") and first[0] <= STEPS - 1
     assert steady["plans"][-1][0] >= 8  # 3:1 implies 9:3
     straggler = ranks[0][True]
-    drift = [h for h in straggler["history"] if h[1] == "drift" and h[0] > SLOW_FROM]
-    assert drift and drift[0][0] <= SLOW_FROM + 5  # re-planned within 5 steps
-    assert straggler["plans"][-1][0] >= 8  # 3:1 implies 9:3
+    # Re-planned after the slowdown of rank 0 (by the drift rule, or by the look that
+    # settles or makes a change): VNs move to rank 1, which no plan before it did. How
+    # many steps that takes is a timing claim, measured by `python
+    # benchmarks/heterogeneous.py` (its straggler row: <= 5 steps).
+    replans = [h for h in straggler["history"] if h[0] > SLOW_FROM and h[2][0] < h[2][1]]
+    assert replans, straggler["history"]
+    assert straggler["plans"][-1][1] >= 8, straggler["history"]  # 1:3 implies 3:9

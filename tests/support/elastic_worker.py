@@ -4,7 +4,9 @@ itself at an exact place of a step.
 
     python tests/support/elastic_worker.py --rdzv HOST:PORT --job ID --steps N --log FILE
         [--out FILE] [--deterministic] [--workers K] [--sleep SECONDS]
+        [--sleep-until-changes N]
         [--fault POINT --fault-step S] [--leave-step S] [--sigterm-step S]
+        [--suspend-step S] [--sigusr1-step S] [--own-sigusr1] [--lapse-step S]
         [--min-workers K] [--timeout S] [--join-timeout S] [--last-call S]
         [--checkpoint FILE] [--max-recoveries N]
         [--auto] [--slow FACTOR] [--seed S] [--virtual-nodes V] [--hidden H]
@@ -12,18 +14,28 @@ itself at an exact place of a step.
 
 Until this worker has seen ``--workers`` workers in its worker set, it sleeps
 ``--sleep`` seconds per step, so that the others can join before the job ends; from
-then on it runs at full speed. ``--fault-step``, ``--leave-step`` and
+then on it runs at full speed. ``--sleep-until-changes N`` (N > 0) replaces that
+rule: it sleeps until it has seen N changes of its worker set, so that a scenario whose
+set shrinks and grows again holds its pace until the last joiner is in, however long
+that joiner takes to start. ``--fault-step``, ``--leave-step`` and
 ``--sigterm-step`` count the steps this worker has run since (0: the first), so that a
-fault always hits a worker set of the intended size. Fault points: start (before
-the step's first forward), middle-backward (in the backward of this worker's middle
-VN; like start, before this worker took part in any collective of the step), stats
-(first thing in the last VN's backward: the step's statistics all-reduce has started,
-no gradient bucket has), allreduce (late in the last VN's backward, with buckets of
-the later layers already reducing), finalize (waiting for the reduction), optimizer
-(in optimizer.step), recovery (inside the first round after a crash), answered (a
-joiner, right after the members answered its knock, before it connects), receiving (a
-joiner, while it loads the state sent to it); ``--fault-signal``: SIGKILL (default)
-or SIGSTOP.
+fault always hits a worker set of the intended size; so do ``--suspend-step`` (this
+worker calls ``job.suspend()`` then) and ``--sigusr1-step`` (it sends itself SIGUSR1).
+``--lapse-step``: at that step the worker of rank 0 stops its rendezvous heartbeats
+(torch's keep-alive timer) while its process, its beats and its probe go on, as a
+worker starved of CPU for longer than the keep-alive allows; it then sleeps 4 s, for the
+rendezvous to drop it before its next step.
+``--own-sigusr1``: the program handles SIGUSR1 itself (a line ``{"own_sigusr1": n}``
+per signal), installed before the job runs.
+Fault points: start (before the step's first forward), middle-backward (in the
+backward of this worker's middle VN; like start, before this worker took part in any
+collective of the step), stats (first thing in the last VN's backward: the step's
+statistics all-reduce has started, no gradient bucket has), allreduce (late in the last
+VN's backward, with buckets of the later layers already reducing), finalize (waiting for
+the reduction), optimizer (in optimizer.step), recovery (inside the first round after a
+crash), answered (a joiner, right after the members answered its knock, before it
+connects), receiving (a joiner, while it loads the state sent to it);
+``--fault-signal``: SIGKILL (default) or SIGSTOP.
 
 stderr gets the ``vflow`` logger from DEBUG up and everything else from WARNING up, as
 ``LEVEL name: message``, so that the tests can check what a recovery logs at which
@@ -48,7 +60,8 @@ model's width is fixed and that loss has no fault points: ``--compile`` refuses
 The log file gets one JSON line per committed step ({"t": time.time(), "step", "rank",
 "workers", "counts", "indices", "loss"}; "indices" is null with ``--compile``), one
 per step that raised CollectiveError ({"failed": time.time(), "step"}) and a last line
-{"events": [...], "step": ...}. The lowest-ranked worker writes ``--out`` at the end:
+{"events": [...], "step": ...}, with ``"suspended": k`` when the job was suspended at
+step k. The lowest-ranked worker writes ``--out`` at the end of the job:
 {"model", "optimizer", "step"}.
 """
 
@@ -175,8 +188,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fault-signal", default="SIGKILL")
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--sleep-until-changes", type=int, default=0)
     parser.add_argument("--sigterm-step", type=int)
     parser.add_argument("--leave-step", type=int)
+    parser.add_argument("--suspend-step", type=int)
+    parser.add_argument("--sigusr1-step", type=int)
+    parser.add_argument("--own-sigusr1", action="store_true")
+    parser.add_argument("--lapse-step", type=int)
     parser.add_argument("--virtual-nodes", type=int, default=V)
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--hidden", type=int, default=HIDDEN)
@@ -249,7 +267,18 @@ def main(argv: list[str]) -> int:
             job.leave()
         if faults.current_step == args.sigterm_step:
             os.kill(os.getpid(), signal.SIGTERM)
-        if full["since"] is None:
+        if faults.current_step == args.suspend_step:
+            job.suspend()
+        if faults.current_step == args.sigusr1_step:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        if faults.current_step == args.lapse_step and ex.rank == 0:
+            for rdzv in rendezvous:
+                rdzv._handler._stop_heartbeats()
+            time.sleep(4.0)
+        if args.sleep_until_changes > 0:
+            if len(job.events) - 1 < args.sleep_until_changes:  # the first is its start
+                time.sleep(args.sleep)
+        elif full["since"] is None:
             time.sleep(args.sleep)
         faults.hit("start")
         if args.compile:
@@ -276,7 +305,24 @@ def main(argv: list[str]) -> int:
         log.write(json.dumps(record) + "\n")
         return result
 
+    if args.own_sigusr1:
+        own = {"n": 0}
+
+        def own_sigusr1(*_: Any) -> None:
+            own["n"] += 1
+            log.write(json.dumps({"own_sigusr1": own["n"]}) + "\n")
+
+        signal.signal(signal.SIGUSR1, own_sigusr1)
     job = elastic.job_from_args(args, keep_alive_s=0.5, keep_alive_attempts=4)
+    rendezvous: list[Rendezvous] = []  # this worker's, for --lapse-step
+    if args.lapse_step is not None:
+        init = Rendezvous.__init__
+
+        def init_and_keep(self: Rendezvous, *a: Any, **k: Any) -> None:
+            init(self, *a, **k)
+            rendezvous.append(self)
+
+        Rendezvous.__init__ = init_and_keep  # type: ignore[method-assign]
     if args.fault == "recovery":
         # Dies while the survivors of a failed step form their worker set again, after
         # this worker answered: a second failure during the recovery.
@@ -325,7 +371,10 @@ def main(argv: list[str]) -> int:
         membership.deserialize = deserialize_with_delay  # type: ignore[assignment]
     ex = job.run(make_executor, train_step, args.steps)
     events = [e.__dict__ for e in job.events]
-    log.write(json.dumps({"events": events, "step": None if ex is None else ex.step_count}) + "\n")
+    end: dict[str, Any] = {"events": events, "step": None if ex is None else ex.step_count}
+    if job.suspended:
+        end["suspended"] = job.suspended_step
+    log.write(json.dumps(end) + "\n")
     if ex is not None and args.out and ex.rank == 0 and ex.step_count == args.steps:
         save_final(ex, args.out)
     return 0

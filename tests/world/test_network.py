@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 
 import pytest
 
 from tests.support import hosts
+from tests.support.rendezvous import until
 from vflow.world import network
 
 MISSING = hosts.missing()
@@ -41,6 +43,27 @@ def test_a_probe_answers_while_it_listens_and_not_after() -> None:
         listener.close()
     assert network.reachable([listener.endpoint]) == [False]
     assert network.reachable([]) == []
+
+
+def test_a_probe_hands_on_a_message_and_a_plain_probe_says_nothing() -> None:
+    heard: list[str] = []
+    listener = network.ProbeListener("127.0.0.1", on_message=heard.append)
+    try:
+        assert network.reachable([listener.endpoint]) == [True]
+        assert network.tell([listener.endpoint], "broken vflow/job/set3") == [True]
+        until("the message", lambda: bool(heard))
+        # A peer that connects and neither sends nor closes holds the probe a moment
+        # only; what comes after it is heard.
+        with socket.create_connection(("127.0.0.1", int(listener.endpoint.split(":")[1]))):
+            assert network.tell([listener.endpoint], "second") == [True]
+            until("the second message", lambda: len(heard) == 2, timeout=5.0)
+        assert heard == ["broken vflow/job/set3", "second"]  # the plain probe said nothing
+        with pytest.raises(ValueError, match="message must be at most 512 bytes, got 513"):
+            network.tell([listener.endpoint], "x" * 513)
+    finally:
+        listener.close()
+    assert network.tell([listener.endpoint], "late") == [False]
+    assert network.tell([], "nobody") == []
 
 
 def test_a_refusal_says_the_process_is_gone_and_a_stopped_one_does_not_refuse() -> None:

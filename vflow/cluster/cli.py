@@ -18,11 +18,12 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from vflow.cluster.policies import POLICIES, get_policy
+from vflow.cluster.flags import add_policy_arguments, policy_from_args
+from vflow.cluster.policies import POLICIES
 from vflow.cluster.simulator import MEASURED, Costs, simulate
 from vflow.cluster.trace import TraceError, load_trace, write_json
 from vflow.cluster.workload import VIRTUALFLOW, Shape, generate
-from vflow.elastic.flags import positive_seconds, seconds_or_zero
+from vflow.elastic.flags import seconds_or_zero
 
 __all__ = ["main"]
 
@@ -55,6 +56,14 @@ def _simulate_parser() -> argparse.ArgumentParser:
         ("--restart-s", "restart_s", "a preempted job's restart's cost"),
         ("--start-per-worker-s", "start_per_worker_s", "added per worker to a (re)start's cost"),
     )
+    release_help = (
+        "seconds after its job's next step boundary until a released slot is free, which "
+        "a start needing it waits for (Note [Slots released late]; default 0: at once)"
+    )
+    parser.add_argument(
+        "--release-s", type=seconds_or_zero, default=MEASURED.release_s, metavar="SECONDS",
+        help=release_help,
+    )  # fmt: skip
     for flag, field, text in costs:
         default = getattr(MEASURED, field)
         parser.add_argument(
@@ -64,22 +73,7 @@ def _simulate_parser() -> argparse.ArgumentParser:
             metavar="SECONDS",
             help=f"{text}: seconds without progress (default {default}; 0: free)",
         )
-    parser.add_argument(
-        "--interval-s",
-        type=positive_seconds,
-        default=None,
-        metavar="SECONDS",
-        help="also consult the policy this often (default: the policy's own; las: 60)",
-    )
-    parser.add_argument(
-        "--las-threshold-s",
-        type=positive_seconds,
-        nargs="+",
-        default=None,
-        metavar="SECONDS",
-        help="las: the attained worker-seconds at which a job moves to the next queue "
-        "(default 3200)",
-    )
+    add_policy_arguments(parser)
     return parser
 
 
@@ -87,13 +81,18 @@ def _simulate(argv: list[str]) -> int:
     args = _simulate_parser().parse_args(argv)
     try:
         trace = load_trace(args.trace)
-        policy = get_policy(
-            args.policy, las_thresholds_s=args.las_threshold_s, interval_s=args.interval_s
-        )
+        policy = policy_from_args(args)
     except (TraceError, ValueError) as e:
         print(f"{PROG} simulate: error: {e}", file=sys.stderr)
         return 2
-    costs = Costs(args.start_s, args.grow_s, args.shrink_s, args.restart_s, args.start_per_worker_s)
+    costs = Costs(
+        args.start_s,
+        args.grow_s,
+        args.shrink_s,
+        args.restart_s,
+        args.start_per_worker_s,
+        args.release_s,
+    )
     result = simulate(trace, policy, costs)
     write_json(args.out, result)
     print(

@@ -93,12 +93,13 @@ class Policy:
     """A named allocation function. ``elastic``: it may change a running job's worker
     count; a policy that is not runs every job on exactly its demand (or preempts it).
     ``interval_s``: also consult it this often (None: only at arrivals and
-    completions)."""
+    completions). ``preemptive``: it may put a running job back to 0 workers."""
 
     name: str
     allocate: Callable[[int, Sequence[JobState]], Allocation]
     elastic: bool
     interval_s: float | None = None
+    preemptive: bool = False
 
     def __call__(self, slots: int, jobs: Sequence[JobState]) -> Allocation:
         allocation = self.allocate(slots, jobs)
@@ -261,7 +262,7 @@ def wfs_any(slots: int, jobs: Sequence[JobState]) -> Allocation:
 
 POLICIES: dict[str, Policy] = {
     "priority": Policy("priority", priority, elastic=False),
-    "las": Policy("las", las, elastic=False, interval_s=60.0),
+    "las": Policy("las", las, elastic=False, interval_s=60.0, preemptive=True),
     "wfs": Policy("wfs", wfs, elastic=True),
     "wfs-any": Policy("wfs-any", wfs_any, elastic=True),
 }
@@ -285,7 +286,11 @@ def get_policy(
     if interval_s is not None and not (math.isfinite(interval_s) and interval_s > 0):
         raise ValueError(f"interval_s must be seconds > 0, got {interval_s!r}")
     return Policy(
-        name, allocate, policy.elastic, interval_s if interval_s is not None else policy.interval_s
+        name,
+        allocate,
+        policy.elastic,
+        interval_s if interval_s is not None else policy.interval_s,
+        policy.preemptive,
     )
 
 

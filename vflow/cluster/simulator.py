@@ -5,12 +5,15 @@ Note [The simulator's model]
   steps per second (Note [Step time between the given counts], trace.py); it ends when
   its progress reaches ``steps``. A step is not atomic here: a resize takes effect at
   once, where a real job resizes at its next step boundary (half a step later on
-  average; the real runner's measured costs include it).
+  average; the real runner's measured costs include it). A preemption keeps the step
+  in flight: the job is credited with it (a real job suspends after it), and when it
+  is the job's last the job ends then instead of being suspended.
 * The policy is consulted at every arrival, every completion and, if it has an
   interval, at every multiple of it; each consultation sees every active job (arrived,
   not finished) with its current workers and attained service (worker-seconds held).
 * Slots move at the decision: a job given workers holds them at once, and a job's
-  released slots are free at once.
+  released slots are free at once; unless ``release_s`` > 0 (Note [Slots released
+  late]).
 * A change of a job's workers costs it seconds without progress, while it holds its
   new allocation (Pollux's charge): ``start_s`` for its first start, ``grow_s`` and
   ``shrink_s`` for an elastic resize, ``restart_s`` when a preempted job resumes; a
@@ -18,14 +21,27 @@ Note [The simulator's model]
   cluster each worker starts on a machine of its own; the real runner's workers share 2
   cores while they start, and it measures that slope for the simulator). Costs that
   overlap add up (a job grown while it starts pays both).
-* Not modelled: a device held back after release (VirtualFlow held released GPUs for
-  10 s), placement (every slot is alike and any set of slots works), failures.
+* Not modelled: placement (every slot is alike and any set of slots works), failures.
 
 The default costs are vflow's, measured on this project's 2-core machine by
 ``benchmarks/elastic.py`` (benchmarks/README.md, results at 5de9736): the overhead of a
 grow (wall time beyond steady training at the new size, the joiner's start-up
 included) 0.85 s; of a leave or a SIGTERM, 0.06-0.42 s (0.2 s taken); a fresh worker's
 imports and executor, 2.6 s, for a start, and for a restart from a checkpoint too.
+
+Note [Slots released late]
+On a cluster a released slot is not free at the decision: a shrunk job's leavers finish
+their step, a preempted job stops at a step and saves its state, then the processes exit
+and the cluster manager takes the device back (Slurm: a job's GPUs return when it ends;
+VirtualFlow held released GPUs for 10 s). With ``release_s`` > 0 the slots a job
+releases are free ``release_s`` after the step boundary it can stop at (after its start
+or restart, if it is still paying for one). A start or restart that needs more slots
+than are free at its decision waits until enough released ones are (every job started
+at that decision waits: the cluster starts them as slots come free, and a job's first
+step needs all its workers); then it pays its cost. A grow does not wait: the job runs
+on at its old size while its joiners wait, which the grow's cost holds. The real runner
+measures ``release_s`` (vflow/cluster/runner.py, Note [What the runner measures]); 0,
+the default, is the paper's simulator: slots move at the decision.
 """
 
 from __future__ import annotations
@@ -53,6 +69,9 @@ class Costs:
     restart_s: float = 2.6
     # added per worker to a start's and a restart's cost
     start_per_worker_s: float = 0.0
+    # a released slot is free this long after its job's next step boundary (Note [Slots
+    # released late]); 0: at once
+    release_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -117,7 +136,9 @@ class SimulatedJob:
         }
 
 
-def _apply(job: SimulatedJob, workers: int, now: float, costs: Costs) -> None:
+def _apply(job: SimulatedJob, workers: int, now: float, costs: Costs, free_at: float) -> None:
+    """Gives ``job`` ``workers``; a start or restart waits until ``free_at`` for its
+    slots (Note [Slots released late])."""
     before = job.workers
     if workers == before:
         return
@@ -127,11 +148,17 @@ def _apply(job: SimulatedJob, workers: int, now: float, costs: Costs) -> None:
         if not job.started:
             job.start_s = now
         job.started = True
-        job.paused_until = now + cost
+        job.paused_until = max(now, free_at) + cost
     else:
         kind = "preempt" if workers == 0 else "grow" if workers > before else "shrink"
         cost = 0.0 if workers == 0 else costs.grow_s if workers > before else costs.shrink_s
         job.paused_until = max(job.paused_until, now) + cost
+        if workers == 0 and now >= job.paused_until:
+            # The step in flight completes (Note [The simulator's model]).
+            boundary = min(math.ceil(job.progress - _EPSILON_STEPS), job.spec.steps)
+            if boundary >= job.spec.steps:
+                job.end_s = now + (job.spec.steps - job.progress) / job.spec.throughput(before)
+            job.progress = float(boundary)
     job.workers = workers
     job.resizes.append({"t": now, "from": before, "to": workers, "kind": kind})
 
@@ -148,6 +175,7 @@ def simulate(
     now = 0.0
     next_arrival = 0
     interval = policy.interval_s
+    releasing: list[tuple[float, int]] = []  # slots not free yet: (free at, count)
     limit = max_events if max_events is not None else 1000 * len(pending) + 1000
     for _ in range(limit):
         arrival_at = pending[next_arrival].arrival_s if next_arrival < len(pending) else math.inf
@@ -176,9 +204,43 @@ def simulate(
             done.append(job)
         if active:
             allocation = policy(trace.slots, [job.state() for job in active])
+            free_at = _slots_free_at(trace.slots, active, allocation, releasing, now, costs)
             for job in active:
-                _apply(job, allocation[job.spec.name], now, costs)
+                _apply(job, allocation[job.spec.name], now, costs, free_at)
+            # A job preempted in its last step ended with it.
+            done += [job for job in active if job.end_s is not None]
+            active = [job for job in active if job.end_s is None]
     raise RuntimeError(f"the simulation did not end within {limit} events")
+
+
+def _slots_free_at(
+    slots: int,
+    active: list[SimulatedJob],
+    allocation: dict[str, int],
+    releasing: list[tuple[float, int]],
+    now: float,
+    costs: Costs,
+) -> float:
+    """When the starts and restarts of this decision have their slots (Note [Slots
+    released late]); notes the slots it releases in ``releasing`` (free time, count),
+    from which it drops those free by ``now``."""
+    if costs.release_s == 0:
+        return now
+    releasing[:] = [(t, n) for t, n in releasing if t > now]
+    free = slots - sum(job.workers for job in active) - sum(n for _, n in releasing)
+    for job in active:
+        if allocation[job.spec.name] < job.workers:
+            at = max(now, job.paused_until) + costs.release_s
+            releasing.append((at, job.workers - allocation[job.spec.name]))
+    # Grows take free slots too (the runner launches the smaller gains first).
+    needed = sum(max(0, allocation[job.spec.name] - job.workers) for job in active) - free
+    free_at = now
+    for at, count in sorted(releasing):
+        if needed <= 0:
+            break
+        needed -= count
+        free_at = at
+    return free_at
 
 
 def _percentile(values: Sequence[float], q: float) -> float:

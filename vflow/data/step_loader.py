@@ -30,11 +30,29 @@ happens in the worker processes, so the dataset's ``__getitem__`` (decoding, say
 there; random augmentation belongs in the executor's ``vn_transform``, whose generator
 is seeded per VN and step (the loader's workers' random state depends on how often the
 loader started again).
+
+Note [A leave is the worker's, not its loader's]
+SIGTERM asks an elastic worker to leave after its current step, SIGUSR1 its job to
+suspend. Cluster managers often send a signal to every process of a job, not only the
+worker: Slurm's ``scancel --full --signal=TERM`` and the SIGTERM of a job's time limit,
+``kill -TERM -PGID``. A DataLoader's worker process dies of either, and the DataLoader
+then fails the step ("worker killed by signal"), so the worker crashes where it was
+asked to leave: the others redo the step and the leaver's slot is lost for a timeout.
+The loader's worker processes therefore ignore both (before ``worker_init_fn`` runs,
+which may decide otherwise). A signal sent while a worker process starts, before it has
+set that, would still kill it: the loader starts them with both signals blocked (the
+mask is inherited, through fork and exec), and each unblocks them once it ignores them,
+which drops what arrived meanwhile. The loader's own thread blocks them only while it
+starts its workers; the process still gets them (a signal blocked by one thread goes
+to another, or waits until it is unblocked).
+They still end with the worker: a DataLoader's workers exit when their parent does,
+and ``close`` stops them.
 """
 
 from __future__ import annotations
 
 import collections
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +62,30 @@ from torch.utils.data import DataLoader, Dataset
 from vflow.data.sampler import PlanFollower, VNBatchSampler, _check_follower
 from vflow.mapping._checks import require_int
 from vflow.mapping.plan import Plan
+
+# Blocked while the loader starts its worker processes (Note [A leave is the worker's,
+# not its loader's]); none where the platform cannot block signals.
+_LEAVE_SIGNALS = (
+    {signal.SIGTERM, signal.SIGUSR1}
+    if hasattr(signal, "pthread_sigmask") and hasattr(signal, "SIGUSR1")
+    else set()
+)
+
+
+@dataclass(frozen=True)
+class _IgnoreSigterm:
+    """A loader worker process's start (Note [A leave is the worker's, not its
+    loader's]); a class, so that spawned workers can unpickle it."""
+
+    then: Callable[[int], None] | None
+
+    def __call__(self, worker_id: int) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        if _LEAVE_SIGNALS:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _LEAVE_SIGNALS)
+        if self.then is not None:
+            self.then(worker_id)
 
 
 @dataclass(frozen=True)
@@ -96,7 +138,9 @@ class StepLoader:
             DataLoader's default, 2, when None).
         multiprocessing_context: the DataLoader's, e.g. ``"spawn"`` or ``"forkserver"``
             where forking this process is unsafe.
-        worker_init_fn: the DataLoader's.
+        worker_init_fn: the DataLoader's; it runs after the worker process was set
+            to ignore SIGTERM and SIGUSR1 (Note [A leave is the worker's, not its
+            loader's]).
     """
 
     def __init__(
@@ -135,7 +179,7 @@ class StepLoader:
             pin_memory=pin_memory,
             collate_fn=collate_fn,
             multiprocessing_context=multiprocessing_context,
-            worker_init_fn=worker_init_fn,
+            worker_init_fn=_IgnoreSigterm(worker_init_fn),
             **options,
         )
         self._iterator: Iterator[Any] | None = None
@@ -202,7 +246,14 @@ class StepLoader:
         self._steps.first = step
         if self._iterator is not None:
             self.restarts += 1
-        self._iterator = iter(self._loader)
+        if not _LEAVE_SIGNALS:
+            self._iterator = iter(self._loader)
+            return
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _LEAVE_SIGNALS)
+        try:
+            self._iterator = iter(self._loader)  # starts the worker processes
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
     def close(self) -> None:
         """Stops the loader's worker processes (also when the loader is garbage)."""

@@ -6,19 +6,34 @@ as an elastic job (``vflow.elastic.ElasticJob``): the runner starts a job by lau
 its workers, grows it by launching more, and shrinks it with SIGTERM, after which a
 worker leaves once its current step is done.
 
+A job is suspended by SIGUSR1 to any of its workers (``ElasticJob.suspend``): every
+worker stops at the same step, rank 0 saving the state to ``--checkpoint`` (required
+for it), and workers started later with the same ``--job`` and ``--checkpoint`` resume
+it from there, on any number of workers (Note [Suspending a job] in
+vflow/elastic/job.py).
+
 A cluster slot is an emulated device (Note [Emulated device time]). The worker appends
 one JSON line per line of news to ``--log``, flushed at once, for the runner to read
 while it runs::
 
-    {"t": ..., "ready": true, "pid": ...}            imported, data loaded
+    {"t": ..., "ready": true, "pid": ..., "host": ..., "device": ...}
+                                                     imported, data loaded
     {"t": ..., "step": k, "workers": w, "rank": r}   step k done on w workers
-    {"t": ..., "events": [...], "step": n}           the ElasticJob's events, at the end
+    {"t": ..., "events": [...], "step": n, "params_sha256": ...}
+                                                     the ElasticJob's events, at the end
+    {"t": ..., "suspended": true, "step": k}         last, when the job was suspended at
+                                                     step k (also when this worker was
+                                                     told so while it waited to join)
 
-``t`` is ``time.time()``. ``--timeout`` (how long a collective may wait for a late
-peer) defaults to three of the job's slowest steps, at least 30 s. Exit status 0 when
-the job finished, when this worker left, and when the job had finished before it could
-join; 1 when the job could not go on (an unreachable store, a refused join), with the
-reason on stderr.
+``t`` is ``time.time()``. ``host`` is the node (Slurm's ``SLURMD_NODENAME``, else the
+host name), ``device`` the devices the cluster gave it (``CUDA_VISIBLE_DEVICES``, None
+when unset: the slot is emulated). ``params_sha256`` digests the model's parameters
+after the worker's last step (bitwise equal runs, equal digests). ``--timeout`` (how
+long a collective may wait for a late peer) defaults to three of the job's slowest
+steps, at least 30 s. Exit status 0 when the job finished, when this worker left, when
+the job was suspended, and when the job had finished before it could join; 1 when the
+job could not go on (an unreachable store, a refused join, a suspended job without its
+checkpoint), with the reason on stderr.
 
 Note [Emulated device time]
 On a real cluster a step of the job takes ``step_time(w)`` on w devices; here every
@@ -36,9 +51,11 @@ counts] in vflow/cluster/trace.py).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from typing import Any, TextIO
@@ -53,7 +70,7 @@ from vflow.elastic import add_job_arguments, job_from_args
 from vflow.runtime.results import StepResult
 from vflow.world.group import use_loopback_for_gloo
 
-__all__ = ["main", "parse_args"]
+__all__ = ["main", "params_digest", "parse_args"]
 
 _LR = 0.05
 _MIN_TIMEOUT_S = 30.0
@@ -66,7 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     # No default here: the job's timeout follows its step time (below).
-    add_job_arguments(parser, "last_call_s", timeout_s=None)
+    add_job_arguments(parser, "last_call_s", timeout_s=None, checkpoint=None)
     parser.add_argument("--steps", type=int, required=True, help="global steps of the job")
     parser.add_argument("--virtual-nodes", type=int, required=True, help="V, also the most workers")
     parser.add_argument(
@@ -129,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     job = job_from_args(args, min_workers=1, max_workers=spec.max_workers)
     with open(args.log, "a", buffering=1) as log:
-        _write(log, {"ready": True, "pid": os.getpid()})
+        where = {
+            "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+            "device": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
+        _write(log, {"ready": True, "pid": os.getpid(), **where})
         work_s = 0.0  # real seconds of this worker's previous step (Note [Emulated device time])
 
         def train_step(ex: vflow.Executor, step: int) -> StepResult:
@@ -151,10 +172,24 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger("cluster_worker").error("%s", e)
             return 1
         events = [event.__dict__ for event in job.events]
-        _write(log, {"events": events, "step": None if ex is None else ex.step_count})
+        end: dict[str, Any] = {"events": events, "step": None if ex is None else ex.step_count}
+        if ex is not None:
+            end["params_sha256"] = params_digest(ex.model)
+        _write(log, end)
+        if job.suspended:
+            # For the scheduler: the job stopped whole, and resumes from --checkpoint.
+            _write(log, {"suspended": True, "step": job.suspended_step})
     if ex is not None:
         ex.close()
     return 0
+
+
+def params_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of the parameters' bytes, in order: equal only for bitwise equal models."""
+    digest = hashlib.sha256()
+    for param in model.parameters():
+        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _write(log: TextIO, record: dict[str, Any]) -> None:

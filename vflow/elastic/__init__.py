@@ -14,10 +14,11 @@ May import: vflow.mapping, vflow.planning, vflow.data, vflow.world and vflow.run
 """
 
 from vflow.elastic.flags import add_job_arguments, job_from_args
-from vflow.elastic.job import LEAVE, WAITING, ElasticJob, Event, JoinRefused
+from vflow.elastic.job import LEAVE, SUSPEND, WAITING, ElasticJob, Event, JoinRefused
 
 __all__ = [
     "LEAVE",
+    "SUSPEND",
     "WAITING",
     "ElasticJob",
     "Event",

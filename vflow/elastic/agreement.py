@@ -10,7 +10,8 @@ Gloo cannot cancel a collective, and a survivor blocked on another survivor (not
 the dead worker) would wait for ``timeout_s``. But a Gloo group's connections close
 when its last reference goes: so a worker that sees a collective fail first drops its
 group (``Executor.abort_group``), which makes every peer blocked on it fail at once,
-and so on, until every survivor has seen the failure. Then, in the round's store:
+and so on; a survivor that this never reaches is told (Note [A survivor blocked on
+survivors]). Then, in the round's store:
 
 1. each survivor appends its rank and where it answers probes to ``recover<G>/alive``
    (G: how many worker sets the round has had, the same on all members);
@@ -39,23 +40,49 @@ No rendezvous round forms, so a crash costs neither the heartbeat expiry nor the
 call. Probing costs a round trip per pair when all is well, and the probe's timeout
 (0.5 s) when a pair is cut.
 
+Note [A survivor blocked on survivors]
+The failure spreads only along pending transfers: a survivor whose transfers with
+the failed workers had completed, blocked on another survivor that is blocked too,
+would wait for ``timeout_s`` (measured at 16 and 32 workers with 3 killed: the ring
+failed one hop every 0.25 s, then stopped, and half the set waited 10 s). So a
+survivor sends "broken <set>" on the probe (Note [Probing a peer],
+vflow/world/network.py) of each worker it watches (Note [Each silent worker watched
+once]) that has not answered, as soon as it watches it, once. That worker's probe
+interrupts its waits on the set's group (``World.interrupt``, Note [Interrupting a
+wait] in csrc/interrupt.cpp), its step fails, and it answers. The set's group broke for
+good (one of its collectives failed), so interrupting a worker that was about to fail
+anyway, or that had not reached the collective yet, changes nothing but the time; a
+message naming an older set is ignored. A worker whose probe refuses the message is
+dead (Note [Beats], vflow/elastic/rendezvous.py) and is found gone at once, without
+waiting SUSPECT_S for its beats to stand still. It costs a connection per worker a
+survivor watches before it answered, and one more for each that refused: O(N log N)
+connections over a set of N whose survivors arrive in random order, O(N) when they
+fail together. (Telling only the workers that had not answered SUSPECT_S later sent
+fewer messages, and cost every crash those 0.2 s: at 8 light members an agreement took
+0.25 s, against 0.05 s now; benchmarks/store_load.py.)
+
 Note [An agreement's requests]
-Each answer of a step (``alive``, ``reach``) is a key of its own; its writer then
-appends the key's name to the step's index and raises the step's counter (``_put``),
-so that a name in the index always names a key that is there. A survivor waiting on
-the others reads the counter each poll and, when it moved, the index and, with one
-``multi_get``, the answers it has not read (``_Reader``); then the beats of the workers
-it watches (Note [Each silent worker watched once]), one ``check`` and one
-``multi_get`` (Rendezvous.beats). So a poll is one request when nothing changed and
-five at most when something did, whatever N; over an agreement a survivor reads each
-answer once, and the index (a few bytes an answer) when it grew, where re-reading one
-key holding every answer would move N^2 bytes a poll through the store at a thousand
-workers. A row of ``reach`` names the survivors missed (empty when all is well), not
-those reached. The poll's period grows with the
-set beyond _SET_POLLS_PER_S * POLL_S workers (50), so that a whole set's polls stay
-at _SET_POLLS_PER_S a second (2,500-7,500 requests a second to the store at most,
-however many workers; benchmarks/store_load.py measures what the store serves here),
-at the cost of a longer agreement in sets that large.
+Each answer of a step (``alive``, ``reach``) is a line of JSON appended to the step's
+index; its writer then raises the step's counter (``_put``), so that the index holds at
+least as many answers as the counter says. A survivor waiting on the others reads the
+counter each poll and, when it moved, the index, parsing only what was appended since
+its last read (``_Reader``); then the beats of the workers it watches (Note [Each
+silent worker watched once]), one ``check`` and one ``multi_get`` (Rendezvous.beats).
+So a poll is one request when nothing changed and four at most when something did,
+whatever N. The answers are short (a probe endpoint, or whom a survivor missed: empty
+when all is well, where a list of those reached would grow with N^2), so the index
+of a thousand answers is some 25 KB, and it is read whole only when it grew: at 1,024
+workers that is cheaper for the store than looking up each answer as a key of its own
+(a ``multi_get`` of 1,024 keys costs about 12 times a ``get`` of 6 KB here, and a
+thousand survivors each reading a thousand answers made the store the bottleneck of
+the agreement). The poll's period grows with the set beyond _SET_POLLS_PER_S * POLL_S
+workers (50), so that a whole set's polls stay at _SET_POLLS_PER_S a second
+(2,500-7,500 requests a second to the store at most, however many workers;
+benchmarks/store_load.py measures what the store serves here), at the cost of a
+longer agreement in sets that large. Survivors poll rather than block in the store's
+``wait`` until an answer comes, for a ``wait`` with a timeout is unsafe to poll with:
+with torch 2.13, 1-3 % of the waits that timed out (5-20 ms) took 5 s longer, with
+the libuv server as with the other.
 
 Fewer than ``min_workers`` after a failure: the members wait up to ``join_timeout_s``
 for a worker to knock, then raise RuntimeError, after writing ``checkpoint`` (if
@@ -66,6 +93,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -73,7 +101,7 @@ from typing import Any
 import torch.distributed as dist
 
 from vflow.elastic.groups import Groups, WorkerSet, publish
-from vflow.elastic.rendezvous import GONE_AFTER_S, SUSPECT_S, Rendezvous
+from vflow.elastic.rendezvous import BROKEN, GONE_AFTER_S, SUSPECT_S, Rendezvous
 from vflow.elastic.reporting import Reporter
 from vflow.runtime.executor import Executor
 from vflow.world import network
@@ -113,6 +141,7 @@ class Recovery:
         gone_after_s: float = GONE_AFTER_S,
         reachable: Callable[[list[str]], list[bool]] = network.reachable,
         refused: Callable[[list[str]], list[bool]] = network.refused,
+        tell: Callable[[list[str], str], list[bool]] = network.tell,
     ) -> None:
         self.groups = groups
         self.report = report
@@ -124,6 +153,7 @@ class Recovery:
         # first.
         self.reachable = reachable
         self.refused = refused
+        self.tell = tell
         self.agreed_at: float | None = None  # time.monotonic() of the last decision
 
     def recover(
@@ -176,7 +206,7 @@ class Recovery:
         prefix = f"vflow/recover{workers.generation}"
         _say(store, f"{prefix}/alive", rnd.rank, rdzv.probe_endpoint)
         waited_for = [r for r in workers.ranks if r not in newcomers]
-        alive = self._answers(rdzv, workers, f"{prefix}/alive", waited_for)
+        alive = self._answers(rdzv, workers, f"{prefix}/alive", waited_for, tell_broken=True)
         survivors = [r for r in workers.ranks if r in alive]
         missed = self._reach(rdzv, workers, prefix, {r: str(alive[r]) for r in survivors})
         proposal = connected([r for r in workers.ranks if r in missed], missed)
@@ -187,24 +217,33 @@ class Recovery:
         return workers.successor(decided)
 
     def _answers(
-        self, rdzv: Rendezvous, workers: WorkerSet, key: str, waited_for: list[int]
+        self,
+        rdzv: Rendezvous,
+        workers: WorkerSet,
+        key: str,
+        waited_for: list[int],
+        tell_broken: bool = False,
     ) -> dict[int, Any]:
         """What the workers of ``workers`` said under ``key`` (``_say``), once every
         worker of ``waited_for`` has either said or is gone (its probe refuses, or its
         beats stopped: Note [Beats], vflow/elastic/rendezvous.py), within ``timeout_s``.
         Others (newcomers) are not waited for: one that has not answered when the others
-        are settled is left out (a slow joiner never stalls the job)."""
+        are settled is left out (a slow joiner never stalls the job). ``tell_broken``:
+        a watched worker that has not answered is told at once that the set broke, and
+        found gone if its probe refuses (Note [A survivor blocked on survivors])."""
         store = workers.round.store
         poll = set_poll_s(len(workers.ranks))
         deadline = time.monotonic() + self.timeout_s
         reader = _Reader(store, key, workers.ranks)
         last: dict[int, tuple[int, float]] = {}
         probed: dict[int, float] = {}
+        told: set[int] = set()
+        refused: list[int] = []  # told, and their probes refused: dead (filled by a thread)
         pending = set(waited_for)
-        watched: list[int] = []
+        watched: list[int] | None = None
         while True:
             said, gone = reader.read()
-            if reader.fresh or not watched:  # work only when an answer came
+            if reader.fresh or watched is None:  # work only when an answer came
                 pending.difference_update(reader.fresh)
                 # Note [Each silent worker watched once]
                 watched = _watched(workers.ranks, workers.round.rank, said, gone, pending)
@@ -217,14 +256,40 @@ class Recovery:
                     elif last[r][0] != beat:
                         last[r] = (beat, now)
                 found = [r for r in watched if now - last[r][1] >= self.gone_after_s]
+                found += [r for r in set(refused) if r in pending and r not in found]
                 found += self._refusing(rdzv, watched, last, probed, now, found)
                 for r in found:  # Note [A verdict said once]
                     _put(store, key, [_GONE, r])
                 if pending.issubset(found):
                     return said
+                if tell_broken:
+                    quiet = [r for r in watched if r in pending and r not in told]
+                    if quiet:
+                        told.update(quiet)
+                        self._tell_broken(rdzv, workers, quiet, refused)
             if not pending or now > deadline:
                 return said
             time.sleep(poll)
+
+    def _tell_broken(
+        self, rdzv: Rendezvous, workers: WorkerSet, ranks: list[int], refused: list[int]
+    ) -> None:
+        """Sends "broken <set>" to the probes of ``ranks`` (Note [A survivor blocked on
+        survivors]) from a thread of its own, for a silent host's connection attempt
+        must not hold up this worker's polls; appends to ``refused`` those whose probe
+        then refuses connections (their process is gone: Note [Beats])."""
+        endpoints = rdzv.probes(ranks)
+        asked = [r for r in ranks if r in endpoints]
+
+        def tell() -> None:
+            delivered = self.tell([endpoints[r] for r in asked], f"{BROKEN} {workers.key}")
+            missed = [r for r, ok in zip(asked, delivered, strict=True) if not ok]
+            if missed:
+                dead = self.refused([endpoints[r] for r in missed])
+                refused.extend(r for r, d in zip(missed, dead, strict=True) if d)
+
+        if asked:
+            threading.Thread(target=tell, name="vflow-tell-broken", daemon=True).start()
 
     def _refusing(
         self,
@@ -283,26 +348,23 @@ def _say(store: dist.Store, key: str, rank: int, value: object) -> None:
 
 
 def _put(store: dist.Store, key: str, row: list[Any]) -> None:
-    """An answer under ``key`` (Note [An agreement's requests]): its text under a key of
-    its own, then its name appended to the step's index, then the step's counter
-    raised, so that whatever the index names can be read."""
-    name = f"g{row[1]}" if row[0] == _GONE else f"a{row[0]}"
-    store.set(f"{key}/{name}", json.dumps(row))
-    store.append(f"{key}/index", f"{name},")
+    """An answer under ``key`` (Note [An agreement's requests]): a line appended to the
+    step's index, then the step's counter raised."""
+    store.append(f"{key}/index", json.dumps(row) + "\n")
     store.add(f"{key}/n", 1)
 
 
 class _Reader:
     """One worker's reading of the answers under a key (Note [An agreement's
-    requests]): each read asks for the counter and, when it moved, for the index and
-    the answers it has not read."""
+    requests]): each read asks for the counter and, when it moved, for the index, and
+    parses the answers appended since the last read."""
 
     def __init__(self, store: dist.Store, key: str, ranks: list[int]) -> None:
         self.store = store
         self.key = key
         self.ranks = set(ranks)
         self.count = 0
-        self.listed = 0  # how much of the index has been read (it only grows)
+        self.parsed = 0  # how much of the index has been parsed (it only grows)
         self.said: dict[int, Any] = {}
         self.gone: set[int] = set()
         self.fresh: list[int] = []  # the ranks the last read found said or gone
@@ -316,14 +378,14 @@ class _Reader:
             return self.said, self.gone
         self.count = count
         index = self.store.get(f"{self.key}/index")
-        # Only what was appended since the last read is parsed: O(new answers).
-        new = list(dict.fromkeys(n for n in index[self.listed :].decode().split(",") if n))
-        self.listed = len(index)
-        if not new:
+        # Whole lines only: an append is atomic, so the index ends with a newline.
+        new = index[self.parsed :]
+        self.parsed = len(index)
+        if not new.strip():
             return self.said, self.gone
-        raws = self.store.multi_get([f"{self.key}/{name}" for name in new])
         # One parse for all: a thousand answers cost one json.loads, not a thousand.
-        for first, second in json.loads(b"[" + b",".join(raws) + b"]"):
+        rows = json.loads(b"[" + b",".join(new.strip().split(b"\n")) + b"]")
+        for first, second in rows:
             if first == _GONE:
                 if int(second) not in self.gone:
                     self.gone.add(int(second))
@@ -345,34 +407,52 @@ def _watched(
 ) -> list[int]:
     """Note [Each silent worker watched once]: the workers whose beats ``me`` watches:
     the ``pending`` ones after it in the set's ``order`` (around the ring) up to the
-    next worker that answered and is not gone, and that worker too."""
-    at = order.index(me)
-    watched = []
+    next worker that answered and is not gone, and that worker too while a pending one
+    follows it before the next that answered."""
+    between, next_answered = _up_to_next_answer(order, me, said, gone)
+    watched = [r for r in between if r in pending]
+    if next_answered is not None:
+        theirs, _ = _up_to_next_answer(order, next_answered, said, gone)
+        if any(r in pending for r in theirs):
+            watched.append(next_answered)
+    return watched
+
+
+def _up_to_next_answer(
+    order: list[int], start: int, said: dict[int, Any], gone: set[int]
+) -> tuple[list[int], int | None]:
+    """The workers after ``start`` in ``order`` (around the ring) before the next one
+    that answered and is not gone, and that one (None when there is none)."""
+    at = order.index(start)
+    between = []
     for step in range(1, len(order)):
         r = order[(at + step) % len(order)]
         if r in said and r not in gone:
-            watched.append(r)
-            break
-        if r in pending:
-            watched.append(r)
-    return watched
+            return between, r
+        between.append(r)
+    return between, None
 
 
 # Note [Each silent worker watched once]
 # A survivor that read the beats of every worker it still waits for would read N of
 # them a poll at first (the survivors arrive over a step), N^2 at the store across the
 # set. Instead each worker watches only the workers after it in the set's order (a
-# ring) up to the next worker that answered, and that one too: every worker that has
-# not answered is watched by the nearest survivor before it that did, and every
-# survivor by the one before it. A worker that answered and then died (or whose poller
-# starved) is found gone by the one before it, whose watch then reaches past it to
-# the workers it watched. Survivors that read the answers at different moments see
-# fewer answers, never more, so their watches overlap rather than leave a gap; a
-# worker changing watchers starts its verdict's clock over, which costs at most one
+# ring) up to the next worker that answered, and that one too while it has workers of
+# its own to watch: every worker that has not answered is watched by the nearest
+# survivor before it that did, and every survivor that watches someone by the one
+# before it. A worker that answered and then died (or whose poller starved) is found
+# gone by the one before it, whose watch then reaches past it to the workers it
+# watched. A survivor that watches nobody needs no watcher: its death leaves nobody
+# unwatched, and it answered (the agreement's next part waits for it again). So near
+# the end, when only the dead are left to find, all but their watchers poll the
+# answers' counter alone, one request. Survivors that read the answers at different
+# moments see fewer answers, never more, so their watches overlap rather than leave a
+# gap (a stale view sees more workers pending: it watches more, never less); a worker
+# changing watchers starts its verdict's clock over, which costs at most one
 # gone_after_s. A verdict on a worker that answered excludes nobody (it answered); it
 # only moves the watch. So the beats read per poll over the whole set are those of the
-# workers waited for plus one per survivor, O(N), where every survivor reading every
-# waited-for worker's beats would read O(N^2).
+# workers waited for plus at most one per survivor, O(N), where every survivor reading
+# every waited-for worker's beats would read O(N^2).
 
 # Note [A verdict said once]
 # Survivors reach the agreement over as long as a step takes (each fails when it reaches

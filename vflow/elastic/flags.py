@@ -144,7 +144,8 @@ _OPTIONS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "checkpoint": (
         "--checkpoint",
         str,
-        "this worker writes its state here when the job stops for too few workers",
+        "this worker writes its state here when the job stops for too few workers; a "
+        "suspended job (SIGUSR1) is saved here, and resumes from here",
     ),
     "backend": ("--backend", _backend, "'gloo' (CPU) or 'nccl' (one GPU per worker)"),
     "interface": (

@@ -55,6 +55,12 @@ class WorkerSet:
     def name(self) -> str:
         return f"set{self.generation}"
 
+    @property
+    def key(self) -> str:
+        """The set's name unique in the job (its round's prefix names the store's boot
+        and the round)."""
+        return f"{self.round.prefix}/{self.name}"
+
     def without(self, ranks: list[int]) -> WorkerSet:
         return self.successor([r for r in self.ranks if r not in ranks])
 
@@ -182,7 +188,10 @@ def publish(rdzv: Rendezvous, ex: Executor, workers: WorkerSet) -> None:
     """The set's lowest member says who is in it, for knockers to probe (Note [Probing
     a peer], vflow/world/network.py), and watches for them (Note [One member watches
     the door], vflow/elastic/rendezvous.py) and reads the beats of the member after it
-    (Note [The next worker's beats]); training goes on without the store."""
+    (Note [The next worker's beats]); a "broken" message for the set interrupts the
+    executor's waits on its group (Note [A survivor blocked on survivors],
+    vflow/elastic/agreement.py); training goes on without the store."""
+    rdzv.interrupt_on_broken(workers.key, ex.world.interrupt)
     rdzv.watch(ex.rank == 0, next_member(workers))
     if ex.rank == 0:
         try:

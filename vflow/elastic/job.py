@@ -37,7 +37,9 @@ Every worker runs the same loop; all decisions are taken at step boundaries and 
 values every member holds, so members never disagree on what happens next.
 
 BUILD  the worker builds its executor alone, before it asks to join (Note [Joining
-       ahead]). → KNOCK if the job has started, else ROUND
+       ahead]). → KNOCK if the job runs, RESUME if it is suspended, else ROUND
+RESUME the worker loads the suspended job's checkpoint into its executor and joins a
+       round of the job's next generation (Note [Suspending a job]) → ROUND
 KNOCK  the worker asks the running worker set to take it in and waits for its answer
        (Note [Joining a running job], vflow/elastic/admission.py); then as ROUND, on
        the set it was let into.
@@ -53,9 +55,12 @@ ROUND  ``next_round`` (the job's start, or a fallback) until the rendezvous comp
        newcomers starts the job only by claiming its record, which a running or
        restored job holds (Note [Fencing a job], vflow/elastic/record.py). → TRAIN
 TRAIN  each step's signal word says whether the worker sees workers waiting to join
-       (WAITING) and whether it was asked to leave (LEAVE), read as late as the step
-       can send it; the words travel in the step's statistics (``Executor.signal``), so
-       every member reads all of them at the same step. After the step:
+       (WAITING), whether it was asked to leave (LEAVE) and whether it was asked to
+       suspend the job (SUSPEND), read as late as the step can send it; the words
+       travel in the step's statistics (``Executor.signal``), so every member reads all
+       of them at the same step. After the step:
+       - any SUSPEND: the whole worker set stops at this step, its state saved once
+         and the job's record suspended → SUSPENDED (Note [Suspending a job]);
        - any LEAVE: leavers leave the rendezvous and return; the others shrink to a
          group of the same round without them (no new round) → TRAIN; when fewer
          than ``min_workers`` remain, they wait for workers to knock;
@@ -76,6 +81,58 @@ RECOVER the survivors form their worker set again within the round (Note [Recove
        (it answered too late) → KNOCK, and comes back as a grow; out of attempts →
        ROUND (all of them).
 DONE   ``steps`` reached: the rendezvous is closed (late joiners return None).
+SUSPENDED the job's state is in its checkpoint and its record says suspended at this
+       step; the rendezvous is closed (joiners return None, with ``job.suspended``);
+       ``run`` returns the executor with ``job.suspended``. Workers started later from
+       the checkpoint resume it (RESUME).
+
+Note [Suspending a job]
+A whole job stops with its state saved, and starts again later from it under the same
+job id, on any number of workers, as if it had never stopped: Slurm's preemption,
+``--requeue`` and time limits, or a preemptive scheduler. ``suspend()`` (or SIGUSR1,
+with ``handle_sigterm``) sets SUSPEND in this worker's next signal word; after the step
+in which any member's word has it, every member stops at that same step:
+
+1. Rank 0 of the worker set writes the state to its ``checkpoint`` (``save_local``,
+   vflow.save's atomic write: a temporary file, fsync, rename, fsync of the directory)
+   and broadcasts whether it succeeded, so that after that collective every member
+   knows the file is in place, or that it is not. One writer rather than every rank
+   writing the same bytes: the state is written once whatever N (a thousand ranks
+   rewriting one file on a shared filesystem would send a thousand copies through its
+   server, their renames racing), and only rank 0 needs a path. The cost: on
+   node-local disks the file is on rank 0's node only, and a worker that resumes
+   elsewhere needs a copy, the rule vflow.load already has; a stale copy is caught
+   there, the record saying which step the file must hold.
+2. Each member marks the job's record suspended at the step count, compare-and-set
+   from its lineage's running record, all proposing the same bytes (Note [Fencing a
+   job], vflow/elastic/record.py); on a journaled store it waits until the journal
+   holds it. That write is the suspension: before it the job runs (a failure in
+   between leaves a running job with its checkpoint written and its workers gone, as
+   if all had crashed), after it the job is suspended, even if a member then fails.
+3. Each member shuts the generation's rendezvous down (Note [Resumed generations],
+   vflow/elastic/rendezvous.py): workers waiting on its wait list, and knocking ones,
+   which read the record, return None with ``job.suspended`` set. ``run`` returns the
+   executor on every member, with ``job.suspended`` and the event "suspend".
+
+On the way: a peer lost during the save's broadcast is a crash, and since every member
+read the SUSPEND bit and keeps asking, the set re-formed without it suspends after its
+next step; a save that fails (rank 0 without ``checkpoint``, a full disk) is logged at
+ERROR on every member, the request is dropped, and the job trains on; a store that
+cannot be reached while the record is written raises RuntimeError, as for any change of
+the worker set (Note [The store during a round], vflow/elastic/reporting.py).
+
+Resuming: a worker whose first look at the record finds the job suspended loads its own
+``checkpoint`` into the executor it built (a missing path or file, or a file at another
+step than the record's, is a RuntimeError naming the job, the step and the path) and
+joins a round of the job's next generation. That generation's first round claims the
+record back, compare-and-set from the suspended record, so that exactly one round
+wins, as a new lineage; its workers, all holding the checkpoint's state, form the set
+as members (their step counts are checked to agree, and no state is sent). Workers
+coming later knock, or join from the wait list, and receive the state as usual. B, V
+and the data position (the step count) are the job's, so it goes on bitwise as if
+never stopped, on any number of workers. A worker that was waiting to join the
+suspended generation (it had knocked, or been in a round) does not carry on into the
+next one: it returns None, told that the job is suspended.
 
 Note [Joining ahead]
 Building a model, its optimizer and an Executor takes seconds in a fresh process (the
@@ -101,8 +158,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from vflow.elastic import record as records
 from vflow.elastic.admission import Admission, JoinRefused, RoundRefused
 from vflow.elastic.agreement import LeftOut, Recovery
 from vflow.elastic.groups import Groups, WorkerSet, choose_interface, prepare_nccl, publish
@@ -125,16 +184,18 @@ from vflow.elastic.reporting import (
     say_nobody_joined,
     say_recovered,
 )
+from vflow.runtime import checkpoint as checkpoint_io
 from vflow.runtime.executor import Executor
 from vflow.runtime.results import StepResult
 from vflow.world import network
 from vflow.world.group import CollectiveError, World
 
-__all__ = ["LEAVE", "WAITING", "ElasticJob", "Event", "JoinRefused"]
+__all__ = ["LEAVE", "SUSPEND", "WAITING", "ElasticJob", "Event", "JoinRefused"]
 
 _UNCAPPED = 1 << 30  # the rendezvous' bound when max_workers is V (known later)
 WAITING = 1  # signal bit: this worker sees workers waiting to join
 LEAVE = 2  # signal bit: this worker leaves after this step
+SUSPEND = 4  # signal bit: the whole job stops after this step, saved (Note [Suspending a job])
 
 MakeExecutor = Callable[[dist.ProcessGroup, float], Executor]
 TrainStep = Callable[[Executor, int], StepResult]
@@ -144,7 +205,9 @@ _log = logging.getLogger("vflow")
 
 @dataclasses.dataclass(frozen=True)
 class _Outcome:
-    reason: str  # "done", "grow", "crash", "left", "few"
+    # "start", "resume", "done", "grow", "crash", "left", "few", "suspend" (this set
+    # saves and stops) or "suspended" (the others of this set did, while it was out)
+    reason: str
     seen: float  # time.monotonic() when this worker saw it
     workers: int = 0  # the size of this worker's worker set then (0: not a member yet)
     failed_step: int | None = None  # the step that raised CollectiveError, if one did
@@ -207,9 +270,14 @@ class ElasticJob:
             and rounds may fail to form (then ``run`` gives up).
         checkpoint: a file path; when the job cannot go on (too few workers, the store
             lost during a change of the worker set), this worker writes its state there
-            before raising.
-        handle_sigterm: SIGTERM asks this worker to leave after its current step (only
-            when ``run`` is called from the main thread).
+            before raising. A suspended job's state is saved there by rank 0, and a
+            worker started for a suspended job resumes it from there (Note [Suspending
+            a job]): ``suspend`` needs it.
+        handle_sigterm: SIGTERM asks this worker to leave after its current step, and
+            SIGUSR1 asks the whole job to suspend (``suspend``; without ``checkpoint``
+            it is logged and ignored), while ``run`` runs (only when it is called from
+            the main thread; SIGUSR1 only where the program left it at its default
+            action: a handler of the program's own stays, and ``suspend`` remains).
         backend: "gloo" (CPU) or "nccl" (one GPU per worker).
         interface: the network interface the worker's collectives use (Gloo's, and
             NCCL's unless ``NCCL_SOCKET_IFNAME`` is set); default: ``GLOO_SOCKET_IFNAME``
@@ -302,6 +370,11 @@ class ElasticJob:
         self.backend = backend
         self.events: list[Event] = []
         self._leave = threading.Event()
+        self._suspend = threading.Event()
+        # Whether the last ``run`` ended with the job suspended (this worker's set
+        # suspended it, or it was told while it waited to join), and at which step.
+        self.suspended = False
+        self.suspended_step: int | None = None
         self._rendezvous: Rendezvous | None = None
         # Kept across runs: on NCCL it holds the group the executor a run returned is
         # on, which the next run shuts down once that executor moves on (Note [NCCL
@@ -312,6 +385,39 @@ class ElasticJob:
         """Asks this worker to leave after its current step (safe from a signal
         handler or another thread); the others go on without it."""
         self._leave.set()
+
+    def suspend(self) -> None:
+        """Asks the whole job to stop after the current step, its state saved in the
+        checkpoint, to be resumed later (Note [Suspending a job]); safe from a signal
+        handler or another thread. Every worker's ``run`` returns at the same step with
+        ``suspended`` set. Raises ValueError, asking nothing, when this job has no
+        ``checkpoint`` or its directory does not exist."""
+        refusal = self._suspend_refusal()
+        if refusal is not None:
+            raise ValueError(refusal)
+        self._suspend.set()
+
+    def _suspend_refusal(self) -> str | None:
+        """Why this worker cannot ask to suspend the job, or None."""
+        if self.checkpoint is None:
+            return (
+                f"job {self.job_id!r} cannot be suspended without a checkpoint: pass "
+                "checkpoint= (--checkpoint), the file its state is saved to and resumed from"
+            )
+        directory = os.path.dirname(os.path.abspath(self.checkpoint))
+        if not os.path.isdir(directory):
+            return (
+                f"job {self.job_id!r} cannot be suspended: the directory {directory!r} of its "
+                f"checkpoint={self.checkpoint!r} does not exist"
+            )
+        return None
+
+    def _suspend_on_signal(self, *_: Any) -> None:
+        refusal = self._suspend_refusal()
+        if refusal is not None:
+            _log.error("vflow elastic: SIGUSR1 ignored: %s", refusal)
+            return
+        self._suspend.set()
 
     def waiting(self) -> int:
         """Workers waiting to join, as this worker last saw them: only the worker set's
@@ -325,7 +431,12 @@ class ElasticJob:
     ) -> Executor | None:
         """Trains until the job has taken ``steps`` steps; returns this worker's executor
         (every worker's holds the same state), or None when the job finished before this
-        worker could join. Returns early, with the executor, when this worker left.
+        worker could join. Returns early, with the executor, when this worker left, and
+        on every worker when the job was suspended (``suspended`` is then True, and
+        ``suspended_step`` the step; a worker told while it waited to join returns None
+        with them). A job found suspended is resumed from ``checkpoint`` (Note
+        [Suspending a job]): without it, or with the file missing or at another step,
+        this raises RuntimeError naming the job, the step and the path.
 
         ``make_executor(group, timeout_s)`` builds this worker's Executor on ``group``
         (pass ``process_group=group, timeout=timeout_s``); it runs once, before this
@@ -347,10 +458,14 @@ class ElasticJob:
             # NCCL reads it when its first communicator is made.
             os.environ.setdefault("NCCL_SOCKET_IFNAME", self.interface)
             prepare_nccl()
+        self.suspended, self.suspended_step = False, None
         # Installed first, so that SIGTERM while connecting means "leave", not death.
-        previous = None
+        previous: dict[int, Any] = {}
         if self.handle_sigterm and threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGTERM, lambda *_: self._leave.set())
+            previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, lambda *_: self._leave.set())
+            # Not on Windows; and a program that gave SIGUSR1 a use of its own keeps it.
+            if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+                previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._suspend_on_signal)
         try:
             self._rendezvous = Rendezvous(
                 self.rendezvous,
@@ -378,8 +493,9 @@ class ElasticJob:
                 self._rendezvous.leave()
                 raise
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                if handler is not None:
+                    signal.signal(signum, handler)
             self._rendezvous = None
 
     def _protocols(self, max_workers: int) -> _Protocols:
@@ -437,6 +553,9 @@ class ElasticJob:
             )
         p = self._protocols(max_workers)
         member = False  # whether ex has trained in this job (Note [Joining ahead])
+        # Whether ex holds the suspended job's state, loaded from the checkpoint, and
+        # whether this worker has asked to join (a round, a knock): Note [Suspending a job].
+        resumed = tried = False
         outcome = _Outcome("start", time.monotonic())
         failures = 0
         need_round = False  # a new round, even if the job runs (a fallback)
@@ -445,9 +564,25 @@ class ElasticJob:
                 _log.info("vflow elastic: asked to leave job %r before joining it", self.job_id)
                 rdzv.close()
                 return None
-            if need_round or not self._started():
+            record = self._record(rdzv)
+            if record is not None and record["state"] == "suspended":
+                if not member and not tried:
+                    self._resume(ex, record)
+                    resumed = True
+                    outcome = _Outcome("resume", time.monotonic())
+                # Its first look found the job suspended, or its generation's round
+                # failed to form: the next generation's round (Note [Resumed
+                # generations], vflow/elastic/rendezvous.py). Else it was waiting to join
+                # the generation that was suspended.
+                if not (resumed and rdzv.use_resumes(records.resumes(record) + 1)):
+                    return self._told_suspended(rdzv, record, ex if member else None)
+                need_round = True
+            elif record is not None and not member:
+                rdzv.use_resumes(records.resumes(record))
+            tried = True
+            if need_round or record is None:
                 try:
-                    joined = self._round(rdzv, p, ex, member)
+                    joined = self._round(rdzv, p, ex, member, resumed)
                 except LeftOut:
                     say_left_out()
                     outcome = dataclasses.replace(outcome, reason="crash", left_out=True)
@@ -470,7 +605,8 @@ class ElasticJob:
                             why,
                         )
                         _log.debug("vflow elastic: forming a round: %s", e)
-                    outcome = dataclasses.replace(outcome, reason="crash")
+                    if outcome.reason != "resume":
+                        outcome = dataclasses.replace(outcome, reason="crash")
                     need_round = True
                     continue
             else:
@@ -484,6 +620,9 @@ class ElasticJob:
                     need_round = True
                     continue
             if joined is None:
+                record = self._record(rdzv)
+                if record is not None and record["state"] == "suspended":
+                    return self._told_suspended(rdzv, record, ex if member else None)
                 if not member:
                     _log.info(
                         "vflow elastic: job %r finished before this worker joined", self.job_id
@@ -502,7 +641,7 @@ class ElasticJob:
                 rdzv.close()
                 return None
             workers, members = joined
-            member, failures, need_round = True, 0, False
+            member, resumed, failures, need_round = True, False, 0, False
             rnd = workers.round
             if outcome.reason == "crash" and outcome.workers:
                 say_recovered(ex, members, outcome.workers, outcome.failed_step, outcome.left_out)
@@ -512,6 +651,23 @@ class ElasticJob:
                 p.report.record(outcome.reason, outcome.seen, ex, rnd.number)
             while True:
                 outcome, workers = self._train(rdzv, p, workers, ex, train_step, steps)
+                if outcome.reason == "suspend":
+                    try:
+                        if self._save_suspended(ex):
+                            break
+                        continue  # not saved: the job trains on
+                    except CollectiveError as e:
+                        who, why = p.report.lost_words(e)
+                        _log.warning(
+                            "vflow elastic: %s while the job's state was saved to suspend it "
+                            "after step %d%s; re-forming the worker set (it suspends after its "
+                            "next step)",
+                            who,
+                            ex.step_count - 1,
+                            why,
+                        )
+                        _log.debug("vflow elastic: saving to suspend: %s", e)
+                        outcome = _Outcome("crash", time.monotonic(), ex.world_size)
                 if outcome.reason in ("grow", "few"):
                     try:
                         grown = p.admission.admit(rdzv, workers, ex, wait=outcome.reason == "few")
@@ -564,9 +720,138 @@ class ElasticJob:
                 rdzv.leave()
                 _log.info("vflow elastic: left job %r at step %d", self.job_id, ex.step_count)
                 return ex
+            if outcome.reason == "suspend":
+                self._mark_suspended(rdzv, p, ex, outcome, rnd.number)
+                return ex
+            if outcome.reason == "suspended":
+                fenced = rdzv.fenced()
+                assert fenced is not None
+                _log.warning(
+                    "vflow elastic: job %r was suspended at step %d by the rest of its worker "
+                    "set while this worker was out of it (this worker stopped at step %d)",
+                    self.job_id,
+                    fenced["step"],
+                    ex.step_count,
+                )
+                self.suspended, self.suspended_step = True, int(fenced["step"])
+                rdzv.close()
+                return ex
+
+    # ---- Note [Suspending a job] ------------------------------------------------------
+
+    def _resume(self, ex: Executor, record: records.Record) -> None:
+        """Loads the suspended job's state (its record: ``record``) from this worker's
+        checkpoint into ``ex``; a RuntimeError naming the job, the step and the path
+        when it cannot."""
+        step = int(record["step"])
+        path = self.checkpoint
+        what = f"job {self.job_id!r} on the store at {self.rendezvous} was suspended at step {step}"
+        if path is None:
+            raise RuntimeError(
+                f"{what}; this worker resumes it from its checkpoint, and has none: pass "
+                "checkpoint= (--checkpoint), the path of the file the job's rank 0 saved"
+            )
+        if not os.path.isfile(path):
+            raise RuntimeError(
+                f"{what}; its checkpoint is expected at {path!r} (this worker's checkpoint=), "
+                "which does not exist: the job's rank 0 saved it at its own checkpoint path "
+                "(copy it here, or pass that path)"
+            )
+        try:
+            checkpoint_io.load(path, ex)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise RuntimeError(f"{what}; its checkpoint {path!r} could not be loaded: {e}") from e
+        if ex.step_count != step:
+            raise RuntimeError(
+                f"{what}, but its checkpoint {path!r} holds step {ex.step_count} (a stale "
+                "copy, or another job's file?): it cannot be resumed from there"
+            )
+        _log.info("vflow elastic: resuming job %r at step %d from %s", self.job_id, step, path)
+
+    def _save_suspended(self, ex: Executor) -> bool:
+        """Step 1 of Note [Suspending a job]: rank 0 writes the state to its checkpoint
+        and every member learns whether it did (a broadcast; CollectiveError when a peer
+        is lost). When it did not, every member drops the request and says so."""
+        error: Exception | None = None
+        if ex.rank == 0:
+            try:
+                if self.checkpoint is None:
+                    raise ValueError("rank 0 of the worker set has no checkpoint= to save it to")
+                checkpoint_io.save_local(self.checkpoint, ex)
+            except Exception as e:
+                error = e
+        flag = torch.tensor([1.0 if error is None else 0.0], dtype=torch.float64)
+        ex.world.broadcast_from(0, [flag], "saving the job's state to suspend it", ex.step_count)
+        if float(flag) == 1.0:
+            return True
+        self._suspend.clear()
+        _log.error(
+            "vflow elastic: job %r could not be suspended after step %d: %s; it trains on",
+            self.job_id,
+            ex.step_count - 1,
+            f"{type(error).__name__}: {error}"
+            if error is not None
+            else "rank 0 could not write its checkpoint (its log says why)",
+        )
+        return False
+
+    def _mark_suspended(
+        self, rdzv: Rendezvous, p: _Protocols, ex: Executor, outcome: _Outcome, number: int
+    ) -> None:
+        """Steps 2 and 3 of Note [Suspending a job], once the state is saved."""
+        step = ex.step_count
+        try:
+            record = rdzv.suspend(step)
+        except (dist.DistError, RendezvousConnectionError) as e:
+            p.report.store_lost(ex, e, f"marking the job suspended at step {step}")
+        if record is None or record["state"] != "suspended" or record.get("step") != step:
+            p.report.save_and_raise(
+                ex,
+                RuntimeError("fenced"),
+                f"the store at {self.rendezvous} gives the job to another worker set (record "
+                f"{record}), so this worker set could not suspend it at step {step} (Note "
+                "[Fencing a job] in vflow/elastic/record.py)",
+                "",
+            )
+        self._suspend.clear()
+        self.suspended, self.suspended_step = True, step
+        p.report.record("suspend", outcome.seen, ex, number)
+        where = f"in {self.checkpoint!r}" if ex.rank == 0 else "in rank 0's checkpoint"
+        _log.info(
+            "vflow elastic: job %r suspended at step %d with %d worker(s), its state %s; "
+            "start workers with the same job id and checkpoint to resume it",
+            self.job_id,
+            step,
+            ex.world_size,
+            where,
+        )
+
+    def _told_suspended(
+        self, rdzv: Rendezvous, record: records.Record, ex: Executor | None
+    ) -> None:
+        """The job was suspended while this worker waited to join it (``ex``: a member
+        out of its worker set, else None): ``run`` returns None, with ``suspended``."""
+        self.suspended, self.suspended_step = True, int(record["step"])
+        if ex is None:
+            _log.info(
+                "vflow elastic: job %r was suspended at step %d before this worker joined it; "
+                "start workers with its checkpoint to resume it",
+                self.job_id,
+                self.suspended_step,
+            )
+        else:
+            _log.warning(
+                "vflow elastic: job %r was suspended at step %d while this worker was out of "
+                "its worker set (this worker stopped at step %d; the checkpoint holds the "
+                "job's state)",
+                self.job_id,
+                self.suspended_step,
+                ex.step_count,
+            )
+        rdzv.close()
 
     def _round(
-        self, rdzv: Rendezvous, p: _Protocols, ex: Executor, member: bool
+        self, rdzv: Rendezvous, p: _Protocols, ex: Executor, member: bool, resumed: bool
     ) -> tuple[WorkerSet, int] | None:
         """A new rendezvous round and the worker set it forms (the job's start, or a
         fallback: Note [Elastic state machine]); None when the job finished first.
@@ -579,7 +864,7 @@ class ElasticJob:
             p.report.give_up(ex if member else None, e)
         except (RendezvousConnectionError, RendezvousStateError, dist.DistError) as e:
             p.report.store_lost(ex if member else None, e, "joining the next round")
-        return self._form(rdzv, p, rnd, ex, member)
+        return self._form(rdzv, p, rnd, ex, member, resumed)
 
     def _build(self, make_executor: MakeExecutor) -> Executor:
         """Note [Joining ahead]: the executor, built before this worker asks to join."""
@@ -592,20 +877,28 @@ class ElasticJob:
         return ex
 
     def _form(
-        self, rdzv: Rendezvous, p: _Protocols, rnd: Round, ex: Executor, member: bool
+        self,
+        rdzv: Rendezvous,
+        p: _Protocols,
+        rnd: Round,
+        ex: Executor,
+        member: bool,
+        resumed: bool,
     ) -> tuple[WorkerSet, int]:
         """Moves ``ex`` onto the round's worker set; returns it, and how many of the
         round's workers were members of the job before it. Newcomers that the members
         refuse (Note [Refusing newcomers], vflow/world/membership.py) or that fail while
         the set forms are left out, and the members go on without them; a refused
-        newcomer raises JoinRefused."""
+        newcomer raises JoinRefused. ``resumed``: ``ex`` holds the suspended job's state
+        (Note [Suspending a job]): in a round without members, such workers resume the
+        job as its members."""
         workers = WorkerSet(rnd, list(range(rnd.world_size)))
         group = p.groups.make(rnd, workers.name, None)
         world = World(group, timedelta(seconds=self.timeout_s))
-        mine = [int(member), ex.virtual_nodes]
+        mine = [int(member), ex.virtual_nodes, int(resumed)]
         rows = world.gather_ints(mine, "checking the round's members", None)
         del world
-        members = [rank for rank, (is_member, _) in enumerate(rows) if is_member]
+        members = [rank for rank, (is_member, _, _) in enumerate(rows) if is_member]
         virtual_nodes = rows[members[0]][1] if members else ex.virtual_nodes
         if rnd.world_size > virtual_nodes:
             # Every worker needs a VN: newcomers beyond V are refused (they end with this
@@ -643,8 +936,13 @@ class ElasticJob:
             current = rdzv.record()
             if current is not None:
                 rdzv.joined(current)
-        newcomers = tuple(r for r in workers.ranks if r not in members)
-        joined = p.admission.join_set(rdzv, workers, ex, member, newcomers, group)
+        # A round resuming a suspended job: the workers that loaded its checkpoint hold
+        # the job's state, as members would.
+        holders = members or [rank for rank, (_, _, loaded) in enumerate(rows) if loaded]
+        newcomers = tuple(r for r in workers.ranks if r not in holders)
+        joined = p.admission.join_set(
+            rdzv, workers, ex, member or rnd.rank in holders, newcomers, group
+        )
         if joined is None:
             if claimed is not None:  # nobody trained: the next round claims it again
                 rdzv.release(rnd.prefix)
@@ -655,15 +953,14 @@ class ElasticJob:
             )
         return joined, len(members)
 
-    def _started(self) -> bool:
-        """Whether the job has a record (Note [Fencing a job], vflow/elastic/record.py):
-        then newcomers knock."""
-        if self._rendezvous is None:
-            raise RuntimeError("ElasticJob is not running")
+    def _record(self, rdzv: Rendezvous) -> records.Record | None:
+        """The job's record (Note [Fencing a job], vflow/elastic/record.py): with one,
+        newcomers knock, or resume a suspended job; None also when the store cannot be
+        reached (next_round says so)."""
         try:
-            return self._rendezvous.record() is not None
+            return rdzv.record()
         except dist.DistError:
-            return False  # the store lost: next_round says so
+            return None
 
     def _train(
         self,
@@ -679,6 +976,15 @@ class ElasticJob:
         rnd = workers.round
         while ex.step_count < steps:
             fenced = rdzv.fenced()
+            mine = rdzv.lineage
+            if (
+                fenced is not None
+                and fenced["state"] == "suspended"
+                and mine is not None
+                and fenced["lineage"] == mine["lineage"]
+            ):
+                # The others suspended the job while this worker recovered without them.
+                return _Outcome("suspended", time.monotonic()), workers
             if fenced is not None:
                 p.report.save_and_raise(
                     ex,
@@ -707,7 +1013,8 @@ class ElasticJob:
                 # Read by the step as late as it can send it: a knock or a SIGTERM
                 # that arrives during its forward passes acts after this step.
                 waiting = WAITING if room and rdzv.waiting() else 0
-                return waiting | (LEAVE if self._leave.is_set() else 0)
+                leave = LEAVE if self._leave.is_set() else 0
+                return waiting | leave | (SUSPEND if self._suspend.is_set() else 0)
 
             ex.signal(word)
             step = ex.step_count
@@ -727,6 +1034,11 @@ class ElasticJob:
                     f"{step} to {ex.step_count}"
                 )
             seen = time.monotonic()
+            if any(w & SUSPEND for w in result.signals):
+                # Every member asks from now on: should the save fail for a lost peer,
+                # the set re-formed without it suspends after its next step.
+                self._suspend.set()
+                return _Outcome("suspend", seen, ex.world_size), workers
             leavers = [r for r, w in enumerate(result.signals) if w & LEAVE]
             if leavers:
                 if ex.rank in leavers:

@@ -6,7 +6,8 @@ The fact "job J runs" used to live only in the store: a restarted store forgot i
 and a worker started afterwards with the same ``--job`` began J again from step 0
 beside the running set (two copies of one job). Now every job has one record,
 ``vflow/<job>/record``: ``{"lineage": L, "epoch": E, "state": "running" |
-"finished"}``.
+"suspended" | "finished"}``, with ``"step": K`` in a suspended record and ``"resumes":
+R`` once the job has been resumed (Note [Suspending a job], vflow/elastic/job.py).
 
 - The lineage names the worker set that started the job: ``<boot>/round<N>``, the
   store's boot id (``vflow/store/boot``, new at every start of the store process) and
@@ -23,7 +24,14 @@ beside the running set (two copies of one job). Now every job has one record,
 - A member that finds another lineage in the record (a second copy of the job that
   claimed it while this set could not reach the store) or the job finished is
   *fenced*: it trains no further step and stops with its checkpoint and an error
-  saying so.
+  saying so. (A member that finds its own lineage suspended, by the others while it
+  was out of their set, stops as suspended.)
+- Suspending: the members write ``"state": "suspended"`` and the step count with
+  compare-and-set from their lineage's running record, all the same bytes, once the
+  job's checkpoint is written. Resuming: the first round of workers started from that
+  checkpoint claims the record back, compare-and-set from the suspended record (so
+  exactly one round wins) to a running record of a new lineage, the round's, with
+  ``resumes`` one higher (Note [Resumed generations], vflow/elastic/rendezvous.py).
 
 Why this is safe: the store is linearizable (one server applies one request at a
 time), every change of a record is a compare-and-set from a value the writer read, and
@@ -45,9 +53,13 @@ atomically when one changed (``replacing_atomically``: fsync, rename, fsync of t
 directory), drops finished jobs, and acknowledges each record it wrote
 (``vflow/<job>/journaled``). A worker set that claims a job waits for that
 acknowledgement before its first step, so that a job is never trained before the
-journal knows it. A store without a journal (``--no-journal``, or a store that another
-program hosts) says so in ``vflow/store/journal``, and a claim there does not wait;
-after such a store restarts, only the members' re-registration restores the record.
+journal knows it. Suspended jobs stay in the journal, and a suspending set waits for
+the acknowledgement of its suspended record before its workers return: a store
+restarted after a job was suspended still knows it, so that the job resumes from its
+checkpoint instead of starting over. A store without a journal (``--no-journal``, or
+a store that another program hosts) says so in ``vflow/store/journal``, and a claim
+there does not wait; after such a store restarts, only the members' re-registration
+restores the record.
 """
 
 from __future__ import annotations
@@ -76,13 +88,16 @@ __all__ = [
     "parse",
     "read",
     "record_key",
+    "resumes",
     "running",
+    "suspended",
 ]
 
 BOOT_KEY = "vflow/store/boot"  # the store's boot id, new at each start of its process
 JOURNAL_KEY = "vflow/store/journal"  # the journal's path, or "" (none)
 JOBS_KEY = "vflow/jobs"  # the ids of the jobs that ever claimed a record, one per line
 JOURNAL_POLL_S = 0.1
+_KEPT = ("running", "suspended")  # the states of the records the journal keeps
 
 Record = dict[str, Any]
 
@@ -109,8 +124,24 @@ def parse(raw: bytes | str) -> Record | None:
     return json.loads(text) if text else None
 
 
-def running(lineage: str, epoch: int) -> Record:
-    return {"lineage": lineage, "epoch": epoch, "state": "running"}
+def running(lineage: str, epoch: int, resumes: int = 0) -> Record:
+    """The record of a job that ``lineage`` trains, ``resumes`` times resumed (the key
+    only once the job has been: a job never suspended has the records it always had)."""
+    record: Record = {"lineage": lineage, "epoch": epoch, "state": "running"}
+    if resumes:
+        record["resumes"] = resumes
+    return record
+
+
+def suspended(record: Record, step: int) -> Record:
+    """``record`` (the running record of the suspending lineage) suspended at ``step``."""
+    kept = {k: v for k, v in record.items() if k != "restored"}
+    return dict(kept, state="suspended", step=step)
+
+
+def resumes(record: Record) -> int:
+    """How many times the job of ``record`` has been resumed."""
+    return int(record.get("resumes", 0))
 
 
 def read(store: dist.Store, job_id: str) -> tuple[str, Record | None]:
@@ -138,8 +169,8 @@ class Journal:
         self._written: dict[str, str] = {}  # job: the encoded record last acknowledged
 
     def restore(self) -> list[str]:
-        """Puts the journal's running records back into the store, marked restored;
-        returns their job ids. A missing file is an empty journal."""
+        """Puts the journal's records (running or suspended jobs) back into the store,
+        marked restored; returns their job ids. A missing file is an empty journal."""
         try:
             with open(self.path) as f:
                 saved = json.load(f)
@@ -173,7 +204,7 @@ class Journal:
         kept = {
             job_id: {k: v for k, v in record.items() if k != "restored"}
             for job_id, (_, record) in records.items()
-            if record is not None and record.get("state") == "running"
+            if record is not None and record.get("state") in _KEPT
         }
         self._write(kept)
         for job_id, raw in current.items():

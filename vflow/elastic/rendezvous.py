@@ -69,6 +69,24 @@ republishes its members and probes, and from then on grows, shrinks and recoveri
 work as before. Training never waited for any of it. A worker whose lineage lost the
 job meanwhile is fenced.
 
+Note [Resumed generations]
+A job that was suspended (Note [Suspending a job], vflow/elastic/job.py) shut its
+rendezvous down on the way out, as a finished job does: that is how the workers waiting
+on its wait list learn that it stopped, and torch's handler cannot reopen a closed
+rendezvous (``next_rendezvous`` raises RendezvousClosedError for good). So each
+generation of a job, its first run and each resumption, has a rendezvous of its own:
+the handler's run id is the job id for a job never resumed and ``<job>/resume<R>``
+after R resumptions, and the rounds' keys live under ``vflow/<job>/<boot>/resume<R>/``
+(R > 0), so that the new generation's round 0 never meets the keys of the old one's.
+Only the internals change: the job id users pass and see, the record
+(``vflow/<job>/record``, which counts R in ``resumes``), the tickets of knocking
+workers and the published members stay the job's. A worker learns R from the record
+before it takes part in a round or knocks (``use_resumes``): a suspended record with
+``resumes`` R means the next generation, R + 1, whose first round claims the record
+back. A handler that has taken part in a round keeps its generation: a worker that
+waited to join one generation of a job and finds it suspended stops, told so; it does
+not carry on into the next.
+
 The c10d store has no authentication: anybody who can reach its port can read and
 write the job's keys. ``python -m vflow rendezvous`` listens on loopback only unless
 told otherwise (Note [Stores listen only where asked] in vflow/world/store.py).
@@ -83,6 +101,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timezone
@@ -112,6 +131,7 @@ from vflow.world.network import ProbeListener, loopback_interface, reachable
 from vflow.world.store import CountingStore, RequestCounts, connect_store
 
 __all__ = [
+    "BROKEN",
     "GONE_AFTER_S",
     "SUSPECT_S",
     "Rendezvous",
@@ -133,8 +153,11 @@ __all__ = [
 # gone, so the poller also adds 1 to a counter of this worker's in the round's store
 # every _POLL_S. A peer is judged gone on one of two grounds:
 # * its probe refuses connections (Note [Probing a peer], vflow/world/network.py): its
-#   process is dead. Asked of a peer whose counter has not moved for SUSPECT_S (two
-#   beats), so that a killed worker is known gone a fifth of a second after its death;
+#   process is dead. Asked of a peer that has not answered the survivors when they
+#   tell it that its set broke (at once: Note [A survivor blocked on survivors],
+#   vflow/elastic/agreement.py), and again of one whose counter has not moved for
+#   SUSPECT_S (two beats), so that a worker that dies later is known gone a fifth of a
+#   second after its death;
 # * its counter has not moved for ``gone_after_s`` (ElasticJob's option, default
 #   GONE_AFTER_S): stopped, hung, or on a host that went silent (no refusal comes
 #   back from there).
@@ -148,6 +171,7 @@ __all__ = [
 # event, while the dead are found by the refusal long before.
 _POLL_S = 0.1
 SUSPECT_S = 2 * _POLL_S
+BROKEN = "broken"  # the message that a worker set's group broke
 GONE_AFTER_S = 2.0
 
 # Note [Knockers acknowledge]
@@ -407,8 +431,17 @@ class Rendezvous:
         self._next_record_look = 0.0
         self._next_door_look = 0.0
         self._handler: DynamicRendezvousHandler | None = None
+        # Note [Resumed generations]: the generation this worker's handler belongs to,
+        # and whether the handler has taken part in a round (then it keeps it).
+        self._resumes = 0
+        self._handler_used = False
+        # The record a claim replaced, which ``release`` restores; None: not known here.
+        self._claimed_over: str | None = ""
         self._install(poll, main, boot)
-        self._probe = ProbeListener(probe_address)
+        # Note [A survivor blocked on survivors], vflow/elastic/agreement.py: the set
+        # whose group a "broken" message interrupts, and how.
+        self._broken_target: tuple[str, Callable[[], Callable[[], None] | None]] | None = None
+        self._probe = ProbeListener(probe_address, on_message=self._told)
         self._closed = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="vflow-rendezvous", daemon=True)
         self._poller.start()
@@ -434,30 +467,58 @@ class Rendezvous:
         if self.counts is not None:
             poll = CountingStore(poll, self.counts, "poller")
             main = CountingStore(main, self.counts, "main")
-        backend = C10dRendezvousBackend(poll, self.job_id)
         if self._handler is None:
-            handler = DynamicRendezvousHandler.from_backend(
-                run_id=self.job_id,
-                store=poll,
-                backend=backend,
-                local_addr=socket.gethostname(),
-                **self._handler_options,  # type: ignore[arg-type]  # a float interval works
-            )
-            # Note [Heartbeats across clocks].
-            holder = _ClockFreeStateHolder(backend, handler._settings)
-            handler._state_holder = holder
-            handler._op_executor = _DistributedRendezvousOpExecutor(
-                handler._this_node, holder, handler._settings
-            )
-            self._handler = handler
+            self._handler = self._new_handler(poll)
         else:
             self._handler._store = poll
-            self._handler._state_holder._backend = backend
+            self._handler._state_holder._backend = C10dRendezvousBackend(poll, self._run_id)
         self._poll_store, self._main_store, self._boot = poll, main, boot
         # The job's own keys on the poller's connection (the poller's alone).
         self._poll_job = dist.PrefixStore(f"vflow/{self.job_id}", poll)
         # A restarted store counts tickets from 0 again (Note [Reading the tickets]).
         self._answered_seen = self._knocks_seen = 0
+
+    @property
+    def _run_id(self) -> str:
+        """The run id of this worker's handler (Note [Resumed generations])."""
+        return self.job_id if not self._resumes else f"{self.job_id}/resume{self._resumes}"
+
+    def _new_handler(self, poll: dist.Store) -> DynamicRendezvousHandler:
+        backend = C10dRendezvousBackend(poll, self._run_id)
+        handler = DynamicRendezvousHandler.from_backend(
+            run_id=self._run_id,
+            store=poll,
+            backend=backend,
+            local_addr=socket.gethostname(),
+            **self._handler_options,  # type: ignore[arg-type]  # a float interval works
+        )
+        # Note [Heartbeats across clocks].
+        holder = _ClockFreeStateHolder(backend, handler._settings)
+        handler._state_holder = holder
+        handler._op_executor = _DistributedRendezvousOpExecutor(
+            handler._this_node, holder, handler._settings
+        )
+        return handler
+
+    @property
+    def resumes(self) -> int:
+        """The generation of the job this worker's rendezvous belongs to (Note [Resumed
+        generations])."""
+        return self._resumes
+
+    def use_resumes(self, resumes: int) -> bool:
+        """Puts this worker in generation ``resumes`` of the job (Note [Resumed
+        generations]), before it takes part in a round or knocks; returns False, changing
+        nothing, when its handler has already taken part in a round of another
+        generation."""
+        if resumes == self._resumes:
+            return True
+        with self._lock:
+            if self._handler_used:
+                return False
+            self._resumes = resumes
+            self._handler = self._new_handler(self._poll_store)
+        return True
 
     def _main(self) -> dist.Store:
         return self._main_store
@@ -519,19 +580,41 @@ class Rendezvous:
         return records.read(self._main_store, self.job_id)[1]
 
     def claim(self, lineage: str) -> Record:
-        """Claims the job for the worker set of ``lineage`` (its start): returns the
-        record that stands, this lineage's or the one that claimed the job first. On a
-        journaled store it returns once the journal holds the claim."""
+        """Claims the job for the worker set of ``lineage`` (its start, or its resumption
+        in this worker's generation: Note [Resumed generations]): returns the record that
+        stands, this lineage's or the one that claimed the job first. A job is claimed
+        from no record, or from the suspended record of the generation before this
+        worker's; any other record stands. On a journaled store it returns once the
+        journal holds the claim."""
         store = self._main_store
-        want = records.encode(records.running(lineage, 1))
-        got = records.parse(store.compare_set(records.record_key(self.job_id), "", want))
+        want = records.encode(records.running(lineage, 1, self._resumes))
+        raw, current = records.read(store, self.job_id)
+        if current is not None and not (
+            current["state"] == "suspended" and records.resumes(current) + 1 == self._resumes
+        ):
+            if raw == want:
+                # Another member of this round claimed it first: the record is this set's
+                # as much as the claimer's (its poller fences on it, its suspend marks it).
+                # What the claim replaced is known here only for a start (no record); a
+                # resumption's suspended record is the claimer's to put back.
+                self._adopt_claim(current, "" if self._resumes == 0 else None)
+            return current
+        got = records.parse(store.compare_set(records.record_key(self.job_id), raw, want))
         assert got is not None
         if got["lineage"] == lineage:
             store.append(records.JOBS_KEY, self.job_id + "\n")
-            self._lineage = got
-            if self.journal:
-                self._await_journal(records.encode(got))
+            self._adopt_claim(got, raw)
         return got
+
+    def _adopt_claim(self, record: Record | None, over: str | None) -> None:
+        """This worker's set holds the job (``record``, its claim), which replaced the
+        record ``over`` (None: not known to this worker). The claimer alone lists the
+        job under JOBS_KEY."""
+        assert record is not None
+        self._lineage = record
+        self._claimed_over = over
+        if self.journal:
+            self._await_journal(records.encode(record))
 
     def _await_journal(self, encoded: str) -> None:
         key = records.journaled_key(self.job_id)
@@ -572,7 +655,9 @@ class Rendezvous:
                 current["lineage"] == mine["lineage"] and current.get("restored")
             ):
                 epoch = max(mine["epoch"], current["epoch"] if current else 0) + 1
-                want = records.encode(records.running(mine["lineage"], epoch))
+                want = records.encode(
+                    records.running(mine["lineage"], epoch, records.resumes(mine))
+                )
                 if store.compare_set(key, raw, want).decode() == want:
                     store.append(records.JOBS_KEY, self.job_id + "\n")
                     self._lineage = records.parse(want)
@@ -596,10 +681,14 @@ class Rendezvous:
 
     def release(self, lineage: str) -> None:
         """Gives up the claim of ``lineage`` on the job, which nobody trained (its first
-        worker set failed to form): the next round claims it again."""
+        worker set failed to form): the record it replaced (none, or the suspended one)
+        is put back, and the next round claims it again."""
         mine = self._lineage
         if mine is not None and mine["lineage"] == lineage:
-            self._main_store.compare_set(records.record_key(self.job_id), records.encode(mine), "")
+            if self._claimed_over is not None:
+                self._main_store.compare_set(
+                    records.record_key(self.job_id), records.encode(mine), self._claimed_over
+                )
             self._lineage = None
 
     def finish_record(self) -> None:
@@ -616,6 +705,46 @@ class Rendezvous:
             records.record_key(self.job_id), raw, records.encode(dict(done, state="finished"))
         )
 
+    def suspend(self, step: int) -> Record | None:
+        """Marks the job suspended at ``step`` (Note [Suspending a job],
+        vflow/elastic/job.py), if the record is this worker set's running one (every
+        member writes the same bytes), and ends this worker's part in the rendezvous: the
+        poller and heartbeats stop, and the generation's rendezvous is shut down, which
+        tells workers waiting on its wait list. Returns the record that stands: this
+        set's suspended one, or the one that fenced it (another lineage, the job
+        finished), or None without a record. On a journaled store it returns once the
+        journal holds the suspended record. Raises DistError (or
+        RendezvousConnectionError) when the store cannot be reached."""
+        self._stop()
+        mine = self._lineage
+        store, key = self._main_store, records.record_key(self.job_id)
+        raw, current = records.read(store, self.job_id)
+        if mine is None or current is None or current["lineage"] != mine["lineage"]:
+            return current
+        if current["state"] == "running":
+            want = records.encode(records.suspended(current, step))
+            current = records.parse(store.compare_set(key, raw, want))
+            assert current is not None
+        if current["lineage"] != mine["lineage"] or current["state"] != "suspended":
+            return current
+        self._lineage = current
+        store.append(records.JOBS_KEY, self.job_id + "\n")
+        if self.journal:
+            self._await_journal(records.encode(current))
+        # Knockers learn it from the record; their tickets are answered, so that the next
+        # generation's members never offer places to workers gone meanwhile (Note
+        # [Knockers acknowledge]); the members' list goes, so that the next generation's
+        # knockers never probe this one's.
+        job = self.job_store
+        knocks = int(job.add(_KNOCKS, 0))
+        answered = int(job.add(_ANSWERED, 0))
+        while answered < knocks:
+            answered = int(job.compare_set(_ANSWERED, str(answered), str(knocks)))
+        job.delete_key(_MEMBERS)
+        with self._lock:
+            self._handler.shutdown()
+        return current
+
     # ---- rounds ----------------------------------------------------------------------
 
     def next_round(self) -> Round:
@@ -625,6 +754,7 @@ class Rendezvous:
         RendezvousGracefulExitError) when the job is finished."""
         with self._lock:
             self._in_round = False
+            self._handler_used = True
             info = self._handler.next_rendezvous()
             number = self._handler._state_holder.state.round
             # The handler's join loop sends a heartbeat only once per 1 s poll and its timer
@@ -634,7 +764,8 @@ class Rendezvous:
             self._waiting = 0
             self._evicted = False
             self._adopted = False
-            prefix = f"vflow/{self.job_id}/{self._boot}/round{number}"
+            generation = f"resume{self._resumes}/" if self._resumes else ""
+            prefix = f"vflow/{self.job_id}/{self._boot}/{generation}round{number}"
             self._round = Round(
                 number, info.rank, info.world_size, prefix, self._main, self._group_connection
             )
@@ -945,6 +1076,27 @@ class Rendezvous:
         if neighbour != self._neighbour:
             self._neighbour, self._neighbour_seen = neighbour, None
             self._next_neighbour_look = 0.0
+
+    def interrupt_on_broken(self, key: str, interrupt: Callable[[], None]) -> None:
+        """From now on, the message "broken ``key``" on this worker's probe calls
+        ``interrupt`` (Note [A survivor blocked on survivors],
+        vflow/elastic/agreement.py); a message naming another key is ignored, so a late
+        one never breaks the set that followed. ``interrupt`` is a bound method, held
+        weakly: its object (the executor's World) must not outlive the executor's use
+        of it, for a group dropped after a failure closes its connections only with its
+        last reference (Note [Recovering within the round])."""
+        self._broken_target = (key, weakref.WeakMethod(interrupt))
+
+    def _told(self, message: str) -> None:
+        target = self._broken_target  # read once: the main thread may replace it
+        if target is not None and message == f"{BROKEN} {target[0]}":
+            interrupt = target[1]()
+            if interrupt is not None:
+                _log.info(
+                    "vflow elastic: told that worker set %s broke; leaving its collective",
+                    target[0],
+                )
+                interrupt()
 
     def beat_seen(self, rank: int) -> tuple[int, float] | None:
         """The beat count of ``rank`` as this worker's poller last read it, and since

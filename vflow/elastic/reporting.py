@@ -56,7 +56,9 @@ class Event:
     step: the step count when the new worker set took over (the next step it runs).
     round: the rendezvous round.
     workers: the worker count from then on.
-    reason: "start", "grow", "leave", "crash" or "finish".
+    reason: "start", "grow", "leave", "crash" or "finish"; "suspend" when the job was
+      suspended (Note [Suspending a job], vflow/elastic/job.py), "resume" when this
+      worker's set resumed it.
     seconds: from the moment this worker saw the cause (the step that carried the
       signal, or the failed collective) to the new worker set being ready.
     agreed_s: for a crash, from the failed collective to the survivors' decision (Note
@@ -135,6 +137,8 @@ class Reporter:
         (a survivor may wait on another survivor that already left for the next round)."""
         if "timed out" in str(error):
             return "worker hung or lost", f" (no answer within the {self.timeout_s:g} s timeout)"
+        if "interrupted: " in str(error):  # Note [A survivor blocked on survivors]
+            return "worker lost", " (the others said so: this worker waited on a live peer)"
         return "worker lost", ""
 
     def store_lost(self, ex: Executor | None, error: Exception, doing: str) -> NoReturn:

@@ -64,6 +64,7 @@ from vflow.world.group import (
     check_plan,
     default_plan,
     resolve_group,
+    retire,
     to_timedelta,
 )
 
@@ -515,7 +516,10 @@ class Executor:
         collective fail now rather than at their timeout (a Gloo collective cannot be
         cancelled otherwise). The executor runs alone (plan ``[V]``) until the next
         ``reconfigure``; its training state is untouched. An NCCL group is aborted as
-        well: its communicators, unlike Gloo's sockets, outlive the last reference.
+        well: its communicators, unlike Gloo's sockets, outlive the last reference. A
+        group whose wait was interrupted (``World.interrupt``) is kept while the
+        collectives it left running last, and the gradient buffers they hold are
+        replaced.
         Under ``plan="auto"`` the planner keeps what it learned about this worker, which
         the next ``reconfigure`` brings to the survivors' set (Note [Plans across worker
         sets], vflow/planning/auto_plan.py)."""
@@ -523,6 +527,10 @@ class Executor:
         broken = self._world.group
         if broken is not None and backend_name(broken) == "nccl":
             broken.abort()
+        elif broken is not None and retire(broken):
+            # An interrupted wait left collectives running on the buffers (Note
+            # [Interrupting a wait], csrc/interrupt.cpp): the next steps use new ones.
+            self._grads = self._grads.renewed()
         world = World(None, self.config.timeout)
         plan = Plan.even(self.virtual_nodes, 1)
         self._take_world(world, plan, self._grads.reduction.prepare_world(plan, world.rank))

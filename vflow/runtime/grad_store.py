@@ -204,6 +204,10 @@ class GradStore:
             for buffer in self.buffers
         }
         self._model = model
+        self._params = list(params)
+        self._accumulate_dtype = accumulate_dtype
+        self._bucket_bytes = (first_bucket_bytes, bucket_cap_bytes)
+        self._timeout_s = timeout_s
         _OWNERS[model] = weakref.ref(self)
 
     def set_world(
@@ -299,9 +303,31 @@ class GradStore:
 
     def clear(self) -> None:
         """After a failed or skipped step: no gradient is exposed and no collective of
-        the step is still writing to the buffers."""
+        the step is still writing to the buffers, unless a wait on the group was
+        interrupted: then its collectives run on, holding the buffers, and the owner
+        moves to ``renewed()``."""
         self.reducer.discard()
         self.native.detach_grads()
+
+    def renewed(self) -> GradStore:
+        """This store closed, and a new one for the same parameters, strategy kind and
+        buckets on new memory, alone until ``set_world``: after an interrupted wait the
+        collectives left running still hold this one's buffers, and a peer could yet
+        write into them (Note [Interrupting a wait], csrc/interrupt.cpp). The old
+        buffers are freed when those collectives end."""
+        self.close()
+        first, cap = self._bucket_bytes
+        return GradStore(
+            self._model,
+            self._params,
+            self._accumulate_dtype,
+            type(self.reduction)(),
+            first_bucket_bytes=first,
+            bucket_cap_bytes=cap,
+            process_group=None,
+            timeout_s=self._timeout_s,
+            description="this process",
+        )
 
     def close(self) -> None:
         self.native.remove_hooks()

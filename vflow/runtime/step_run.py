@@ -94,6 +94,20 @@ class StepInputs:
 # the hooks changed and the buffer is not.
 
 
+# Note [Told while computing]
+# After a crash, the survivors reach the failed step's collectives one after another,
+# over as long as a step takes, and the elastic job tells each one that its set broke
+# as soon as one of them finds out (Note [A survivor blocked on survivors],
+# vflow/elastic/agreement.py), which interrupts its World. A worker told while still
+# in its VNs would compute the rest of them for a collective that fails at once, and
+# the others' agreement waits for it (on a busy host it also takes their CPU). So
+# before each VN's forward and before the step's first collective, the loop looks
+# whether its World was interrupted (one atomic load while nothing was) and, if so,
+# fails the step there as a failed collective would: nothing was committed, so the
+# step's usual failure path restores everything. A VN's forward or backward already
+# running is finished.
+
+
 class StepRun:
     """The VN loop (``vns``), then ``reduce`` and ``before_optimizer``; ``result`` once
     the step is committed."""
@@ -138,6 +152,8 @@ class StepRun:
             for position, ((vn, _, size), vn_batch) in enumerate(
                 zip(self.slices, vn_batches, strict=True)
             ):
+                if distributed:  # Note [Told while computing]
+                    inputs.world.check_interrupted(f"VN {vn}'s forward", inputs.step)
                 for generator in generators:
                     generator.manual_seed(seeds[position])
                 forward_start = clock.mark()
@@ -166,6 +182,7 @@ class StepRun:
                     signal = inputs.signal()
                     self.signals = (signal,)
                 if last and distributed:
+                    inputs.world.check_interrupted("the step's collectives", inputs.step)
                     reducer.start_stats(
                         inputs.stats.encode(
                             vn_ids,

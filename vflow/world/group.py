@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -118,6 +119,29 @@ def default_plan(virtual_nodes: int, world_size: int) -> Plan:
     return Plan.even(virtual_nodes, world_size)
 
 
+# How often a retired group is asked whether what it was left running has ended.
+_RETIRED_POLL_S = 0.5
+
+
+def retire(group: dist.ProcessGroup) -> bool:
+    """After an interrupted wait (``World.interrupt``): when a collective of ``group``
+    it left behind still runs, keeps the group referenced by a thread of its own until
+    that collective ends, and returns True. Gloo's destructor waits for a running
+    collective, up to its timeout: dropped by the caller, the group would block it
+    (Note [Interrupting a wait], csrc/interrupt.cpp)."""
+    if not _C.group_busy(group):
+        return False
+    threading.Thread(
+        target=_hold_while_busy, args=(group,), name="vflow-retired-group", daemon=True
+    ).start()
+    return True
+
+
+def _hold_while_busy(group: dist.ProcessGroup) -> None:
+    while _C.group_busy(group):
+        time.sleep(_RETIRED_POLL_S)
+
+
 def failure_words(cause: str, waited_s: float, timeout_s: float) -> str:
     """How a failed wait ended, for an error message: "timed out (timeout T s)" when
     it reached the timeout or the backend says it timed out, else "failed after W s": a
@@ -147,6 +171,28 @@ class World:
             self.device = comm_device(group)
             self.description = describe(group)
         self._timeout_s = timeout.total_seconds()
+
+    def interrupt(self) -> None:
+        """From any thread: every wait on this world's group, running or later, ends at
+        once in CollectiveError (Note [Interrupting a wait], csrc/interrupt.cpp). The
+        elastic job's way out of a collective blocked on live peers once the others
+        agree without this worker (Note [A survivor blocked on survivors],
+        vflow/elastic/agreement.py). No effect alone or on NCCL, whose waits do not
+        block the host."""
+        if self.group is not None:
+            _C.interrupt_group(self.group)
+
+    def check_interrupted(self, what: str, step: int | None) -> None:
+        """Raises CollectiveError when ``interrupt`` was called: a worker told that its
+        set broke stops where it is (``what``: what it was about to do) rather than
+        compute the rest of its step for a collective that would fail at once (Note
+        [Told while computing], vflow/runtime/step_run.py)."""
+        if self.group is not None and _C.group_interrupted(self.group):
+            where = "vflow" if step is None else f"vflow step {step}"
+            raise CollectiveError(
+                f"{where}: interrupted before {what} on {self.description}: the worker set "
+                "broke elsewhere (another worker said so)"
+            )
 
     @property
     def distributed(self) -> bool:

@@ -28,6 +28,11 @@ host whose link is down) nothing comes back, in either direction, so the attempt
 times out after ``PROBE_TIMEOUT_S``. The probe accepts a connection and closes it: it
 says only that packets flow both ways between the two interfaces the collectives use.
 
+A connection can also carry a short message (``tell``): the probe reads what comes
+before the peer closes, at most MESSAGE_BYTES, and hands it to its owner. A plain
+probe sends nothing and closes at once, so reading costs it a round trip at most; a
+peer that neither sends nor closes holds the probe for MESSAGE_WAIT_S.
+
 A refused connection says more: the peer's host answered, and nothing listens on the
 probe's port any more, so the process that listened is gone (killed, crashed, exited).
 ``refused`` asks only that, with a short timeout: a stopped process still accepts (the
@@ -45,7 +50,7 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from vflow.world.store import format_endpoint
@@ -61,6 +66,7 @@ __all__ = [
     "refused",
     "resolve",
     "route_interface",
+    "tell",
 ]
 
 # Over a LAN a connection completes in well under a millisecond, across a data centre
@@ -69,6 +75,9 @@ PROBE_TIMEOUT_S = 0.5
 # A refusal comes back in a round trip; a peer that does not answer that quickly is not
 # refusing, and whoever asked (an agreement's poll) must not wait for it.
 REFUSED_TIMEOUT_S = 0.1
+# What a probe reads of a message (Note [Probing a peer]), and how long it waits for it.
+MESSAGE_BYTES = 512
+MESSAGE_WAIT_S = 0.2
 _SIOCGIFCONF = 0x8912
 _IFREQ_BYTES = 40  # struct ifreq on 64-bit Linux: a 16-byte name, a 24-byte union
 
@@ -171,10 +180,12 @@ def _addresses() -> list[tuple[str, str]]:
 
 class ProbeListener:
     """A socket on ``address`` that accepts connections and closes them at once
-    (Note [Probing a peer]); ``endpoint`` is what peers connect to. ``close()`` stops
-    it."""
+    (Note [Probing a peer]), or, with ``on_message``, once it has read what the peer
+    sent, which ``on_message`` gets (called on the listener's thread; it must be quick);
+    ``endpoint`` is what peers connect to. ``close()`` stops it."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, on_message: Callable[[str], None] | None = None) -> None:
+        self._on_message = on_message
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -194,7 +205,11 @@ class ProbeListener:
                 peer, _ = self._socket.accept()
             except OSError:
                 return  # closed
-            peer.close()
+            with peer:
+                if self._on_message is not None:
+                    message = _read_message(peer)
+                    if message:
+                        self._on_message(message)
 
     def close(self) -> None:
         self._closed = True
@@ -203,6 +218,21 @@ class ProbeListener:
         except OSError:
             pass
         self._socket.close()
+
+
+def _read_message(peer: socket.socket) -> str:
+    """What ``peer`` sent before it closed, within MESSAGE_WAIT_S and MESSAGE_BYTES."""
+    peer.settimeout(MESSAGE_WAIT_S)
+    data = b""
+    try:
+        while len(data) < MESSAGE_BYTES:
+            chunk = peer.recv(MESSAGE_BYTES - len(data))
+            if not chunk:
+                break
+            data += chunk
+    except OSError:
+        pass
+    return data.decode(errors="replace")
 
 
 def refused(endpoints: Sequence[str], timeout_s: float = REFUSED_TIMEOUT_S) -> list[bool]:
@@ -242,3 +272,25 @@ def reachable(endpoints: Sequence[str], timeout_s: float = PROBE_TIMEOUT_S) -> l
 
     with ThreadPoolExecutor(max_workers=min(32, len(endpoints))) as pool:
         return list(pool.map(connects, endpoints))
+
+
+def tell(endpoints: Sequence[str], message: str, timeout_s: float = PROBE_TIMEOUT_S) -> list[bool]:
+    """Sends ``message`` (at most MESSAGE_BYTES) to the probe at each ``"HOST:PORT"`` of
+    ``endpoints``, all at once; whether each was delivered to the peer's socket."""
+    payload = message.encode()
+    if len(payload) > MESSAGE_BYTES:
+        raise ValueError(f"message must be at most {MESSAGE_BYTES} bytes, got {len(payload)}")
+    if not endpoints:
+        return []
+
+    def send(endpoint: str) -> bool:
+        host, _, port = endpoint.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as s:
+                s.sendall(payload)
+            return True
+        except (OSError, ValueError):
+            return False
+
+    with ThreadPoolExecutor(max_workers=min(32, len(endpoints))) as pool:
+        return list(pool.map(send, endpoints))
