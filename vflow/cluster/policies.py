@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -107,8 +108,12 @@ class Policy:
         return allocation
 
 
+def _priority_key(job: JobState) -> tuple[float, float, str]:
+    return (-job.spec.priority, job.spec.arrival_s, job.name)
+
+
 def _by_priority(jobs: Sequence[JobState]) -> list[JobState]:
-    return sorted(jobs, key=lambda j: (-j.spec.priority, j.spec.arrival_s, j.name))
+    return sorted(jobs, key=_priority_key)
 
 
 def priority(slots: int, jobs: Sequence[JobState]) -> Allocation:
@@ -177,35 +182,39 @@ def _fair_shares(
     names = [job.name for job in jobs]
     demands = [job.spec.demand for job in jobs]
     weights = [job.spec.priority for job in jobs]
-    capped = [False] * len(jobs)
+    # Jobs whose weighted share of what the others leave covers their demand are capped
+    # at it, until none is; the sums run over the uncapped jobs in index order.
+    uncapped = list(range(len(jobs)))
+    budget = slots
     while True:
-        budget = slots - sum(d for d, c in zip(demands, capped) if c)
-        weight = sum(w for w, c in zip(weights, capped) if not c)
-        newly = [
-            i
-            for i in range(len(jobs))
-            if not capped[i] and budget * weights[i] / weight >= demands[i]
-        ]
-        for i in newly:
-            capped[i] = True
-        if not newly or all(capped):
+        weight = sum(weights[i] for i in uncapped)
+        newly = [i for i in uncapped if budget * weights[i] / weight >= demands[i]]
+        budget -= sum(demands[i] for i in newly)
+        uncapped = [i for i in uncapped if i not in newly] if newly else uncapped
+        if not newly or not uncapped:
             break
-    budget = slots - sum(d for d, c in zip(demands, capped) if c)
-    weight = sum(w for w, c in zip(weights, capped) if not c)
+    weight = sum(weights[i] for i in uncapped)
+    capped = [True] * len(jobs)
+    for i in uncapped:
+        capped[i] = False
     exact = [float(d) if c else budget * w / weight for d, w, c in zip(demands, weights, capped)]
     fair = [d if c else _round_down(allowed(d, d), e) for d, e, c in zip(demands, exact, capped)]
     shares = [max(1, share) for share in fair]
     # The workers given to jobs whose share rounds to 0 come from the jobs furthest above
-    # their exact share, lowest priority first.
+    # their exact share, lowest priority first: each time from the job of the largest
+    # (share - exact, index). Only the chosen job's key changes (it falls), so a heap
+    # of the keys picks the same jobs as a scan per worker would, in O(log n) each.
     total = sum(shares)
-    while total > slots:
-        i = max(
-            (i for i, share in enumerate(shares) if share > 1),
-            key=lambda i: (shares[i] - exact[i], i),
-        )
-        lower = _round_down(allowed(demands[i], shares[i]), shares[i] - 1)
-        total -= shares[i] - lower
-        shares[i] = lower
+    if total > slots:
+        heap = [(exact[i] - share, -i) for i, share in enumerate(shares) if share > 1]
+        heapq.heapify(heap)
+        while total > slots:
+            i = -heapq.heappop(heap)[1]
+            lower = _round_down(allowed(demands[i], shares[i]), shares[i] - 1)
+            total -= shares[i] - lower
+            shares[i] = lower
+            if lower > 1:
+                heapq.heappush(heap, (exact[i] - lower, -i))
     return dict(zip(names, shares)), dict(zip(names, fair))
 
 
@@ -239,7 +248,8 @@ def _weighted_fair_share(
     for candidate in _by_priority([job for job in jobs if job.workers == 0]):
         if len(admitted) == slots:
             break
-        trial = _by_priority([*admitted, candidate])
+        trial = list(admitted)
+        bisect.insort(trial, candidate, key=_priority_key)  # admitted is in that order
         shares, fair = _fair_shares(slots, trial, allowed)
         higher = [job for job in admitted if job.spec.priority > candidate.spec.priority]
         if all(shares[job.name] >= fair[job.name] for job in higher):
