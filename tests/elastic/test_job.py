@@ -36,6 +36,9 @@ STEPS = 80
 # Seconds per step until a worker has seen the test's full worker set: time for the
 # others to start and join (about 20 s), then full speed.
 SLEEP = "0.25"
+# Steps of a job whose pace the test holds (Job.held): enough that it cannot end before
+# its scenario does, on a loaded machine too; those after the release run at full speed.
+HELD_STEPS = 200
 
 
 @pytest.fixture(scope="module")
@@ -393,9 +396,9 @@ def test_a_worker_stopped_past_the_timeout_is_left_out_then_joins_again(job: Job
     """b is stopped (SIGSTOP) long enough for a to time out and go on alone, and for the
     rendezvous to drop it; continued, it finds itself out of the worker set and joins
     again as a newcomer would, receiving a's state."""
-    job.start("a", "--timeout", "3", *job.held)  # held until b is back
+    job.start("a", "--timeout", "3", *job.held, steps=HELD_STEPS)  # held until b is back
     job.wait_steps("a", 1)
-    job.start("b", "--timeout", "3", *job.held)
+    job.start("b", "--timeout", "3", *job.held, steps=HELD_STEPS)
     deadline = time.monotonic() + 90
     while sum(line["workers"] == 2 for line in job.steps("a")) < 3:
         assert time.monotonic() < deadline, job.stderr("a")
@@ -414,7 +417,7 @@ def test_a_worker_stopped_past_the_timeout_is_left_out_then_joins_again(job: Job
     job.release()
     codes = job.wait()
     assert codes == {"a": 0, "b": 0}, job.stderr("a") + job.stderr("b")
-    _assert_same_training(job)
+    _assert_same_training(job, steps=HELD_STEPS)
     reasons = _reasons(job, "a")
     assert reasons[:3] == ["start", "grow", "crash"] and "grow" in reasons[3:], reasons
     assert job.steps("b")[-1]["workers"] == 2
@@ -523,10 +526,10 @@ def test_joiners_that_differ_are_refused_and_the_job_goes_on(job: Job) -> None:
         "vns": ("--virtual-nodes", "4", "virtual_nodes=4"),
         "wider": ("--hidden", "16", "model layout"),
     }
-    job.start("a", *job.held)  # held until the three are refused
+    job.start("a", *job.held, steps=HELD_STEPS)  # held until the three are refused
     job.wait_steps("a", 2)
     for name, (flag, value, _) in differs.items():
-        job.start(name, flag, value)
+        job.start(name, flag, value, steps=HELD_STEPS)
     for name, (_, _, named) in differs.items():
         assert job.procs[name].wait(timeout=90) == 1, job.stderr(name)
         said = job.stderr(name)
@@ -534,7 +537,7 @@ def test_joiners_that_differ_are_refused_and_the_job_goes_on(job: Job) -> None:
     job.release()
     codes = job.wait(only=["a"])
     assert codes["a"] == 0, job.stderr("a")
-    _assert_same_training(job)
+    _assert_same_training(job, steps=HELD_STEPS)
     assert any("were refused" in line for line in _logged(job, "a", "WARNING"))
     assert _reasons(job, "a") == ["start", "finish"], job.events("a")
     assert max(line["workers"] for line in job.steps("a")) == 1
@@ -543,14 +546,14 @@ def test_joiners_that_differ_are_refused_and_the_job_goes_on(job: Job) -> None:
 def test_a_joiner_past_the_join_deadline_is_dropped_and_the_job_goes_on(job: Job) -> None:
     # b takes 6 s to load the state it receives, past the 3 s collective timeout that
     # bounds joining.
-    job.start("a", "--timeout", "3", *job.held)  # held until b is dropped
+    job.start("a", "--timeout", "3", *job.held, steps=HELD_STEPS)  # held until b is dropped
     job.wait_steps("a", 2)
-    job.start("b", "--timeout", "3", "--slow-load", "6")
+    job.start("b", "--timeout", "3", "--slow-load", "6", steps=HELD_STEPS)
     assert job.procs["b"].wait(timeout=90) == 1
     job.release()
     codes = job.wait(only=["a"])
     assert codes["a"] == 0, job.stderr("a")
-    _assert_same_training(job)
+    _assert_same_training(job, steps=HELD_STEPS)
     assert "within the join deadline" in job.stderr("b"), job.stderr("b")
     assert max(line["workers"] for line in job.steps("a")) == 1
 
@@ -658,18 +661,18 @@ def test_a_worker_knocking_at_a_full_job_gives_up_after_the_join_timeout(job: Jo
     common = ("--virtual-nodes", "2", *job.held)
     # a and b are held until c gave up, however long c takes to start (in CI, c once
     # took over 12 s to start and found a 60-step job over).
-    job.start("a", *common)
+    job.start("a", *common, steps=HELD_STEPS)
     job.wait_steps("a", 1)
-    job.start("b", *common)
+    job.start("b", *common, steps=HELD_STEPS)
     job.wait_steps("b", 1)
-    job.start("c", *common, "--join-timeout", "3")
+    job.start("c", *common, "--join-timeout", "3", steps=HELD_STEPS)
     assert job.procs["c"].wait(timeout=60) == 1
     job.release()
     said = job.stderr("c")
     assert "JoinRefused" in said and "did not take this worker in within join_timeout_s=3" in said
     codes = job.wait()
     assert codes["a"] == 0 and codes["b"] == 0, job.stderr("a")
-    _assert_same_training(job, virtual_nodes=2)
+    _assert_same_training(job, steps=HELD_STEPS, virtual_nodes=2)
     assert max(line["workers"] for line in job.steps("a")) == 2
 
 
@@ -686,17 +689,15 @@ def test_a_knocker_that_died_waiting_for_a_place_costs_the_members_nothing(job: 
     which nobody acknowledges: a goes on alone after _ACK_S instead of waiting for c's
     connection until the 10 s timeout; d, knocking later, is let in at once."""
     common = ("--virtual-nodes", "2", "--timeout", "10")
-    steps = 200
-    # a sleeps every step until d is in (its third change), however long d takes to
-    # start; from then on the job runs at full speed.
-    job.start("a", *common, "--sleep-until-changes", "3", steps=steps)
+    # a and b are held until d is in, however long d takes to start.
+    job.start("a", *common, *job.held, steps=HELD_STEPS)
     job.wait_steps("a", 1)
-    job.start("b", *common, "--sleep-until-changes", "99", steps=steps)
+    job.start("b", *common, *job.held, steps=HELD_STEPS)
     deadline = time.monotonic() + 60
     while _knocks(job) < 1 or max(line["workers"] for line in job.steps("a")) < 2:
         assert time.monotonic() < deadline, job.stderr("a")
         time.sleep(0.05)
-    job.start("c", *common, steps=steps)
+    job.start("c", *common, steps=HELD_STEPS)
     while _knocks(job) < 2:
         assert time.monotonic() < deadline and job.procs["c"].poll() is None, job.stderr("c")
         time.sleep(0.05)
@@ -705,10 +706,15 @@ def test_a_knocker_that_died_waiting_for_a_place_costs_the_members_nothing(job: 
     assert job.procs["b"].wait(timeout=60) == 0, job.stderr("b")
     alone = len(job.steps("a"))
     job.wait_steps("a", alone + 3)
-    job.start("d", *common, "--sleep", "0", steps=steps)
+    job.start("d", *common, steps=HELD_STEPS)
+    deadline = time.monotonic() + 90
+    while all(line["workers"] == 1 for line in job.steps("a")[alone:]):
+        assert time.monotonic() < deadline and job.procs["a"].poll() is None, job.stderr("d")
+        time.sleep(0.05)
+    job.release()
     codes = job.wait(only=["a", "d"])
     assert codes == {"a": 0, "d": 0}, job.stderr("a") + job.stderr("d")
-    _assert_same_training(job, steps=steps, virtual_nodes=2)
+    _assert_same_training(job, steps=HELD_STEPS, virtual_nodes=2)
     assert _reasons(job, "a") == ["start", "grow", "leave", "grow", "finish"], job.events("a")
     last_grow = [e for e in job.events("a") if e["reason"] == "grow"][-1]
     assert last_grow["seconds"] < 3.0, job.events("a")

@@ -179,22 +179,30 @@ def test_help_lists_the_required_flags() -> None:
 
 
 @contextmanager
-def _readme_job(tmp_path: Path, extra: Sequence[str] = ()) -> Iterator[tuple[Workers, Path, Path]]:
-    """The README's store, and its worker line (plus ``extra`` flags, for every worker)
+def _running(
+    words: list[str], port: int, tmp_path: Path, extra: Sequence[str] = (), **alone: str
+) -> Iterator[tuple[Workers, Path, Path]]:
+    """``words`` (plus ``extra`` flags, for every worker) on the store at ``port``,
     started twice: alone under another job id (the reference, which writes the second
-    path) and as worker "a" of the job (which writes the first), once it trains. Every
-    worker is killed on the way out."""
+    path; ``alone``: its flags' other values) and as worker "a" of the job (which writes
+    the first), once it trains. Every worker is killed on the way out."""
+    out, alone_out = tmp_path / "final.pt", tmp_path / "alone.pt"
+    workers = Workers(words, port, tmp_path, extra)
+    try:
+        workers.start("alone", job="alone", out=str(alone_out), **alone)
+        workers.start("a", out=str(out))
+        workers.wait_for("a", "A training", lambda e: "start" in _reasons(e))
+        yield workers, out, alone_out
+    finally:
+        workers.kill_all()
+
+
+@contextmanager
+def _readme_job(tmp_path: Path, extra: Sequence[str] = ()) -> Iterator[tuple[Workers, Path, Path]]:
+    """The README's store and its worker line, _running."""
     store, worker = _readme_lines()
-    out, alone = tmp_path / "final.pt", tmp_path / "alone.pt"
-    with _readme_store(store, tmp_path) as port:
-        workers = Workers(worker, port, tmp_path, extra)
-        try:
-            workers.start("alone", job="alone", out=str(alone))
-            workers.start("a", out=str(out))
-            workers.wait_for("a", "A training", lambda e: "start" in _reasons(e))
-            yield workers, out, alone
-        finally:
-            workers.kill_all()
+    with _readme_store(store, tmp_path) as port, _running(worker, port, tmp_path, extra) as job:
+        yield job
 
 
 @pytest.mark.slow
@@ -330,28 +338,24 @@ def test_a_schedule_and_a_dataloader_through_join_crash_and_leave_bitwise(tmp_pa
     steps, batch = 200, 64
     log = tmp_path / "steps.jsonl"
     words = _scheduled_line("scheduled", steps, "--batch-size", str(batch), "--log", str(log))
-    out, alone = tmp_path / "final.pt", tmp_path / "alone.pt"
-    with store_process() as (_, endpoint):
-        workers = Workers(words, int(endpoint.rsplit(":", 1)[1]), tmp_path)
-        try:
-            workers.start("alone", job="alone", out=str(alone), sleep="0")
-            workers.start("a", out=str(out))
-            workers.wait_for("a", "A training", lambda e: "start" in _reasons(e))
-            a_pid = workers.procs["a"].pid
-            # B starts a tenth into the schedule; with its start-up it joins near 30 %.
-            _wait_for_step(log, a_pid, steps // 10, workers)
-            workers.start("b", out=str(out))
-            workers.wait_for("a", "B joining", lambda e: _reasons(e).count("grow") == 1)
-            workers.start("c", out=str(out))
-            workers.wait_for("a", "C joining", lambda e: _reasons(e).count("grow") == 2)
-            workers.procs["c"].kill()
-            assert workers.procs["c"].wait(timeout=30) == -signal.SIGKILL
-            workers.wait_for("a", "A going on without C", lambda e: "crash" in _reasons(e))
-            workers.procs["b"].terminate()
-            codes = workers.wait(["a", "b", "alone"], timeout=120)
-            assert codes == {"a": 0, "b": 0, "alone": 0}, workers.stderr("a")[-4000:]
-        finally:
-            workers.kill_all()
+    with (
+        store_process() as (_, endpoint),
+        _running(words, int(endpoint.rsplit(":", 1)[1]), tmp_path, sleep="0") as running,
+    ):
+        workers, out, alone = running
+        a_pid = workers.procs["a"].pid
+        # B starts a tenth into the schedule; with its start-up it joins near 30 %.
+        _wait_for_step(log, a_pid, steps // 10, workers)
+        workers.start("b", out=str(out))
+        workers.wait_for("a", "B joining", lambda e: _reasons(e).count("grow") == 1)
+        workers.start("c", out=str(out))
+        workers.wait_for("a", "C joining", lambda e: _reasons(e).count("grow") == 2)
+        workers.procs["c"].kill()
+        assert workers.procs["c"].wait(timeout=30) == -signal.SIGKILL
+        workers.wait_for("a", "A going on without C", lambda e: "crash" in _reasons(e))
+        workers.procs["b"].terminate()
+        codes = workers.wait(["a", "b", "alone"], timeout=120)
+        assert codes == {"a": 0, "b": 0, "alone": 0}, workers.stderr("a")[-4000:]
 
     events = workers.events("a")
     assert _reasons(events) == ["start", "grow", "grow", "crash", "leave", "finish"], events
@@ -404,27 +408,23 @@ def test_a_suspended_job_resumes_with_its_schedule_and_dataloader_bitwise(tmp_pa
     steps = 100
     ckpt = tmp_path / "job.pt"
     words = _scheduled_line("suspended", steps, "--checkpoint", str(ckpt))
-    out, alone = tmp_path / "final.pt", tmp_path / "alone.pt"
-    with store_process() as (_, endpoint):
-        workers = Workers(words, int(endpoint.rsplit(":", 1)[1]), tmp_path)
-        try:
-            workers.start("alone", job="alone", out=str(alone), sleep="0")
-            workers.start("a", out=str(out))
-            workers.wait_for("a", "A training", lambda e: "start" in _reasons(e))
-            workers.start("b", out=str(out))
-            workers.wait_for("a", "B joining", lambda e: "grow" in _reasons(e))
-            workers.procs["b"].send_signal(signal.SIGUSR1)
-            codes = workers.wait(["a", "b"], timeout=120)
-            assert codes == {"a": 0, "b": 0}, workers.stderr("a")[-4000:]
-            assert not out.exists()
-            suspended = workers.events("a")[-1]
-            assert suspended[2] == "suspend" and workers.events("b")[-1] == suspended
-            assert f"job 'suspended' suspended at step {suspended[0]}" in workers.stderr("b")
-            workers.start("c", out=str(out), sleep="0")
-            codes = workers.wait(["c", "alone"], timeout=120)
-            assert codes == {"c": 0, "alone": 0}, workers.stderr("c")[-4000:]
-        finally:
-            workers.kill_all()
+    with (
+        store_process() as (_, endpoint),
+        _running(words, int(endpoint.rsplit(":", 1)[1]), tmp_path, sleep="0") as running,
+    ):
+        workers, out, alone = running
+        workers.start("b", out=str(out))
+        workers.wait_for("a", "B joining", lambda e: "grow" in _reasons(e))
+        workers.procs["b"].send_signal(signal.SIGUSR1)
+        codes = workers.wait(["a", "b"], timeout=120)
+        assert codes == {"a": 0, "b": 0}, workers.stderr("a")[-4000:]
+        assert not out.exists()
+        suspended = workers.events("a")[-1]
+        assert suspended[2] == "suspend" and workers.events("b")[-1] == suspended
+        assert f"job 'suspended' suspended at step {suspended[0]}" in workers.stderr("b")
+        workers.start("c", out=str(out), sleep="0")
+        codes = workers.wait(["c", "alone"], timeout=120)
+        assert codes == {"c": 0, "alone": 0}, workers.stderr("c")[-4000:]
     assert workers.events("c") == [(suspended[0], 1, "resume"), (steps, 1, "finish")]
     got, want = torch.load(out, weights_only=True), torch.load(alone, weights_only=True)
     assert_bitwise_equal(got, want)

@@ -4,7 +4,7 @@ itself at an exact place of a step.
 
     python tests/support/elastic_worker.py --rdzv HOST:PORT --job ID --steps N --log FILE
         [--out FILE] [--deterministic] [--workers K] [--sleep SECONDS]
-        [--sleep-until-changes N] [--sleep-while FILE]
+        [--sleep-while FILE]
         [--fault POINT --fault-step S] [--leave-step S] [--sigterm-step S]
         [--suspend-step S] [--sigusr1-step S] [--own-sigusr1] [--lapse-step S]
         [--min-workers K] [--timeout S] [--join-timeout S] [--last-call S]
@@ -14,12 +14,10 @@ itself at an exact place of a step.
 
 Until this worker has seen ``--workers`` workers in its worker set, it sleeps
 ``--sleep`` seconds per step, so that the others can join before the job ends; from
-then on it runs at full speed. ``--sleep-until-changes N`` (N > 0) replaces that
-rule: it sleeps until it has seen N changes of its worker set, so that a scenario whose
-set shrinks and grows again holds its pace until the last joiner is in, however long
-that joiner takes to start. ``--sleep-while FILE`` replaces both: it sleeps while FILE
-exists, so that a test holds the job's pace until its scenario is over, then lets it
-finish at full speed. ``--fault-step``, ``--leave-step`` and
+then on it runs at full speed. ``--sleep-while FILE`` replaces that rule: it sleeps
+while FILE exists, so that a test holds the job's pace until its scenario is over,
+however long its workers take to start, then lets it finish at full speed.
+``--fault-step``, ``--leave-step`` and
 ``--sigterm-step`` count the steps this worker has run since (0: the first), so that a
 fault always hits a worker set of the intended size; so do ``--suspend-step`` (this
 worker calls ``job.suspend()`` then) and ``--sigusr1-step`` (it sends itself SIGUSR1).
@@ -190,7 +188,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fault-signal", default="SIGKILL")
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--sleep-until-changes", type=int, default=0)
     parser.add_argument("--sleep-while")
     parser.add_argument("--sigterm-step", type=int)
     parser.add_argument("--leave-step", type=int)
@@ -280,9 +277,6 @@ def main(argv: list[str]) -> int:
             time.sleep(4.0)
         if args.sleep_while is not None:
             if os.path.exists(args.sleep_while):
-                time.sleep(args.sleep)
-        elif args.sleep_until_changes > 0:
-            if len(job.events) - 1 < args.sleep_until_changes:  # the first is its start
                 time.sleep(args.sleep)
         elif full["since"] is None:
             time.sleep(args.sleep)
