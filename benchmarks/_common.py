@@ -8,13 +8,14 @@ The scripts import this module by name, so they are meant to be run as files
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -370,3 +371,57 @@ def size_problem(
     if batch_size < args.virtual_nodes:
         return f"--batch-size {batch_size} < --virtual-nodes {args.virtual_nodes}"
     return None
+
+
+# ---- resident memory (Linux) ----
+
+# glibc's mmap threshold, fixed for the processes a benchmark starts (Note in
+# benchmarks/pipeline.py's docstring: "memory").
+MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
+
+
+def parse_status(text: str) -> dict[str, int]:
+    """VmRSS and VmHWM of a /proc/<pid>/status text, in bytes."""
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            number, unit = value.split()
+            if unit != "kB":
+                raise ValueError(f"unexpected unit in {line!r}")
+            out[key] = int(number) * 1024
+    if set(out) != {"VmRSS", "VmHWM"}:
+        raise ValueError("no VmRSS/VmHWM in the status text")
+    return out
+
+
+def memory_status() -> dict[str, int]:
+    """This process's VmRSS and VmHWM, in bytes."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        return parse_status(f.read())
+
+
+def reset_peak() -> bool:
+    """Resets VmHWM to the current resident set (Linux); False when it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def malloc_env(mmap_threshold: int | None) -> Iterator[None]:
+    """The processes started inside get glibc's mmap threshold fixed at
+    ``mmap_threshold`` bytes (None: glibc's default, a threshold that rises to the
+    largest block freed so far)."""
+    saved = os.environ.pop(MALLOC_ENV, None)
+    if mmap_threshold is not None:
+        os.environ[MALLOC_ENV] = str(mmap_threshold)
+    try:
+        yield
+    finally:
+        os.environ.pop(MALLOC_ENV, None)
+        if saved is not None:
+            os.environ[MALLOC_ENV] = saved

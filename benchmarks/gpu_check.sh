@@ -13,6 +13,10 @@
 #   4. benchmarks/step.py on the GPU: Executor.step against a hand-written loop;
 #   5. benchmarks/prefetch.py on the GPU: batches on the CPU fed through pinned memory
 #      and a side stream, with and without prefetching, against the ideal.
+#   6. pipelines on CUDA: examples/train_pipeline.py with --device cuda, --amp bf16 and
+#      --max-grad-norm, deterministic: on one process (the PipelineExecutor's step on the
+#      GPU: losses kept on the device, CUDA-event profiles), and, with 2 or more GPUs, 2
+#      stages over NCCL, whose model must be bitwise the one-process model's.
 #
 # Usage: benchmarks/gpu_check.sh [LOG_DIR]
 #   LOG_DIR (or VFLOW_GPU_LOG_DIR): where full logs and JSON go (default ./gpu_check_logs).
@@ -110,6 +114,33 @@ prefetch() {
     --json "$LOG_DIR/prefetch.json"
 }
 
+# Pipelines on CUDA (stage 6). NCCL refuses two ranks on one GPU: the 2-stage run
+# needs 2 GPUs, and says so when there is one.
+pipeline() {
+  local flags=(--virtual-nodes 4 --steps 20 --seed 3 --deterministic --device cuda
+    --amp bf16 --max-grad-norm 0.5 --log-every 5)
+  "$PYTHON" examples/train_pipeline.py --stages 1 "${flags[@]}" \
+    --out "$LOG_DIR/pipeline_1.pt" || return 1
+  local gpus
+  gpus="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')"
+  if [[ "$gpus" -lt 2 ]]; then
+    echo "2 stages over NCCL: not run, $gpus GPU (NCCL refuses two ranks on one GPU)"
+    return 0
+  fi
+  "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node=2 \
+    examples/train_pipeline.py --stages 2 "${flags[@]}" --out "$LOG_DIR/pipeline_2.pt" || return 1
+  "$PYTHON" - "$LOG_DIR/pipeline_1.pt" "$LOG_DIR/pipeline_2.pt" <<'COMPARE'
+import sys
+
+import torch
+
+one, two = (torch.load(path, weights_only=True)["model"] for path in sys.argv[1:])
+differ = [key for key in one if not torch.equal(one[key].cpu(), two[key].cpu())]
+print(f"2 stages over NCCL against one process: {len(one) - len(differ)}/{len(one)} tensors equal")
+sys.exit(1 if differ else 0)
+COMPARE
+}
+
 run_stage environment environment
 run_stage build build
 if [[ $FAILED == 0 ]]; then
@@ -117,6 +148,7 @@ if [[ $FAILED == 0 ]]; then
   run_stage accumulate accumulate
   run_stage step step
   run_stage prefetch prefetch
+  run_stage pipeline pipeline
 fi
 
 printf '\n=== GPU check summary (%ss in all; logs in %s)\n' "$((SECONDS - START))" "$LOG_DIR"

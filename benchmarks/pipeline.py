@@ -55,14 +55,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import gc
 import json
-import os
 import resource
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -76,8 +74,11 @@ from _common import (
     fmt_ms,
     format_table,
     iqr,
+    malloc_env,
     median,
+    memory_status,
     open_process_session,
+    reset_peak,
     usable_cpus,
 )
 from torch import nn
@@ -110,7 +111,6 @@ DDP_PEER_FAILS = (
     "asserts 'rebuilt parameter indices size is not same as original model parameters "
     "size', having recorded two synchronised backwards; also at S = 2, R = 2, M = 2)"
 )
-MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
 # glibc's initial mmap threshold, held fixed in the judged memory runs. By default glibc
 # raises it to the largest block freed so far: the transient 4 MiB gradients and
 # optimizer temporaries of a step then stay in the heap, and how much of it stays
@@ -256,21 +256,6 @@ def peak_growth(status_before: dict[str, int], status_after: dict[str, int]) -> 
     return status_after["VmHWM"] - status_before["VmRSS"]
 
 
-def parse_status(text: str) -> dict[str, int]:
-    """VmRSS and VmHWM of a /proc/<pid>/status text, in bytes."""
-    out = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            number, unit = value.split()
-            if unit != "kB":
-                raise ValueError(f"unexpected unit in {line!r}")
-            out[key] = int(number) * 1024
-    if set(out) != {"VmRSS", "VmHWM"}:
-        raise ValueError("no VmRSS/VmHWM in the status text")
-    return out
-
-
 def stage_slot_s(samples: Sequence[tuple[int, Sequence[float]]]) -> dict[int, float]:
     """Per stage, the median of the calibrated slots of every process holding it."""
     pooled: dict[int, list[float]] = collections.defaultdict(list)
@@ -280,21 +265,6 @@ def stage_slot_s(samples: Sequence[tuple[int, Sequence[float]]]) -> dict[int, fl
 
 
 # ---- memory: fresh processes, one measurement each ----
-
-
-def _status() -> dict[str, int]:
-    with open("/proc/self/status", encoding="ascii") as f:
-        return parse_status(f.read())
-
-
-def _reset_peak() -> bool:
-    """Resets VmHWM to the current resident set (Linux); False when it cannot."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
 
 
 def _ce(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -331,8 +301,8 @@ def _memory_rank(rank: int, world_size: int, cfg: Config, stages: int) -> dict[s
     microbatches = max(cfg.microbatches)
     batches = [global_batch(cfg, microbatches * cfg.vn_size, s) for s in range(cfg.memory_steps)]
     gc.collect()
-    before = _status()
-    reset = _reset_peak()
+    before = memory_status()
+    reset = reset_peak()
     if method == "unsplit":
         model = build_model(cfg)
         ex = vflow.Executor(
@@ -350,7 +320,7 @@ def _memory_rank(rank: int, world_size: int, cfg: Config, stages: int) -> dict[s
         runner = kind(cfg, stages, grids[method], microbatches)
         for x, y in batches:
             runner.step(x, y)
-    after = _status()
+    after = memory_status()
     return {
         "method": method,
         "stage": stage,
@@ -361,22 +331,6 @@ def _memory_rank(rank: int, world_size: int, cfg: Config, stages: int) -> dict[s
         "peak_reset": reset,
         "peak_growth": peak_growth(before, after),
     }
-
-
-@contextlib.contextmanager
-def _malloc_env(mmap_threshold: int | None) -> Iterator[None]:
-    """The processes started inside get glibc's mmap threshold fixed at
-    ``mmap_threshold`` bytes (None: glibc's default, a threshold that rises to the
-    largest block freed so far)."""
-    saved = os.environ.pop(MALLOC_ENV, None)
-    if mmap_threshold is not None:
-        os.environ[MALLOC_ENV] = str(mmap_threshold)
-    try:
-        yield
-    finally:
-        os.environ.pop(MALLOC_ENV, None)
-        if saved is not None:
-            os.environ[MALLOC_ENV] = saved
 
 
 def _time_left(deadline: float) -> float:
@@ -390,7 +344,7 @@ def measure_memory(
     cfg: Config, stages: int, mmap_threshold: int | None, deadline: float
 ) -> list[dict[str, Any]]:
     """Every process's measurement: vflow's S stages, the peer's, the unsplit worker."""
-    with _malloc_env(mmap_threshold):
+    with malloc_env(mmap_threshold):
         results = run_ranks(
             2 * stages + 1,
             _memory_rank,

@@ -1,8 +1,7 @@
 """The benchmark suite of a source checkout: runs the scripts of this folder (accumulate,
-step, distributed, prefetch, heterogeneous, pipeline, cluster, store_load; elastic and
-elastic_scale only when named with ``--only``) one after another and sums up their headline
-results in one table
-(``make bench``).
+step, distributed, prefetch, heterogeneous, pipeline, pipeline_checkpoint, cluster,
+store_load; elastic and elastic_scale only when named with ``--only``) one after another
+and sums up their headline results in one table (``make bench``).
 
 Each script runs as a file in a subprocess of this interpreter, as its README says to
 run it, with ``--json`` into the output folder; its own tables stream to the terminal as
@@ -113,6 +112,17 @@ BENCHMARKS: dict[str, Benchmark] = {
             # Above the script's own limit (270 s quick, 1100 s full, all its groups of
             # processes together); the quick run takes about 40 s on 2 cores, the full
             # one about 100 s.
+            300,
+            1200,
+        ),
+        Benchmark(
+            "pipeline_checkpoint",
+            "pipeline_checkpoint.py",
+            "vflow.pipeline.save on 2 x 2 Gloo ranks: each process's peak memory while saving "
+            "against its training steps, beside the former gather-then-save",
+            False,
+            # Above the script's own limit (240 s quick, 600 s full); the quick run takes
+            # about 25 s on 2 cores, the full one about 30 s.
             300,
             1200,
         ),

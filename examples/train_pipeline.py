@@ -1,10 +1,12 @@
-"""Train the digits as a pipelined residual MLP: S stages per replica, V virtual nodes.
+"""Train the digits as a pipelined model: S stages per replica, V virtual nodes.
 
-The model (an embedding, ``--blocks`` residual blocks with dropout, a head) is cut into
-``--stages`` stages; torchrun starts stages x replicas processes and each replica runs
-its share of the V VNs as the microbatches of one pipeline schedule (``--schedule``,
-1F1B or GPipe). The global batch, V and the learning rate are the same for every
-grid, so half the replicas train the same model with twice the VNs each::
+The model (an embedding, ``--blocks`` blocks with dropout, a head: a residual MLP, or
+with ``--model transformer`` a small GPT-2-style transformer over the digits' rows whose
+blocks pass hidden states and an attention mask on) is cut into ``--stages`` stages;
+torchrun starts stages x replicas processes and each replica runs its share of the V
+VNs as the microbatches of one pipeline schedule (``--schedule``, 1F1B or GPipe). The
+global batch, V and the learning rate are the same for every grid, so half the
+replicas train the same model with twice the VNs each::
 
     torchrun --nproc-per-node=4 examples/train_pipeline.py --stages 2 \\
         --virtual-nodes 8 --steps 50 --seed 0 --deterministic --out a.pt
@@ -16,7 +18,14 @@ grid, so half the replicas train the same model with twice the VNs each::
 With ``--deterministic`` the three files hold bitwise the same model: every segment
 draws its dropout masks from its own stream per (seed, step, VN), and each stage sums
 its VNs' gradients in one fixed order. ``--stages 1`` on one process is the model
-trained without a pipeline.
+trained without a pipeline. So do they with ``--max-grad-norm X`` (the norm of the
+whole model's gradient, the same bits on every grid) and with ``--amp bf16`` or
+``--amp fp16`` (autocast on every stage; fp16 with loss scaling, one inf/NaN verdict
+for the grid), and with ``--model transformer``.
+
+Each process is given only what it uses of its replica's share of the global batch
+(``global_batch_size=B``): the images on a replica's first stage, the labels on its
+last, nothing between.
 
 torchrun's store (and this script's Gloo connections) listen on the loopback interface
 here; the c10d store has no authentication. The grid's first process writes
@@ -39,7 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import vflow
-from vflow.demo import accuracy, load_digits_split, make_pipeline_model
+from vflow.demo import accuracy, load_digits_split, make_pipeline_model, make_transformer_model
 from vflow.world.group import use_loopback_for_gloo
 
 _log = logging.getLogger("train_pipeline")
@@ -59,9 +68,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="the first process writes the model here")
     parser.add_argument("--schedule", choices=["1F1B", "GPipe"], default="1F1B")
     parser.add_argument("--batch-size", type=int, default=64, help="global batch B (default 64)")
+    parser.add_argument(
+        "--model",
+        choices=["mlp", "transformer"],
+        default="mlp",
+        help="a residual MLP (one tensor between segments), or a small transformer over the "
+        "digits' rows whose blocks pass (hidden states, attention mask) on; default mlp",
+    )
     parser.add_argument("--blocks", type=int, default=4, help="residual blocks (default 4)")
-    parser.add_argument("--width", type=int, default=128, help="block width (default 128)")
+    parser.add_argument(
+        "--width", type=int, default=None, help="block width (default 128 mlp, 64 transformer)"
+    )
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=None,
+        help="clip the whole model's gradient (every stage's) to this global 2-norm",
+    )
+    parser.add_argument(
+        "--amp",
+        choices=["none", "bf16", "fp16"],
+        default="none",
+        help="autocast the forwards and the loss (fp16: with loss scaling); default none",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu (Gloo) or cuda (NCCL; each process on the GPU of its LOCAL_RANK)",
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -75,7 +111,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("--virtual-nodes", args.virtual_nodes, 1),
         ("--steps", args.steps, 0),
         ("--blocks", args.blocks, 1),
-        ("--width", args.width, 1),
+        ("--width", 1 if args.width is None else args.width, 1),
         ("--threads", args.threads, 1),
         ("--log-every", args.log_every, 1),
     ):
@@ -88,8 +124,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
     if args.stages > args.blocks + 2:
         parser.error(f"--stages ({args.stages}) exceeds the model's {args.blocks + 2} segments")
+    if args.width is None:
+        args.width = 128 if args.model == "mlp" else 64
+    if args.model == "transformer" and args.width % 4:
+        parser.error(f"--width ({args.width}) must be a multiple of the transformer's 4 heads")
     if not args.lr > 0:
         parser.error(f"--lr must be > 0, got {args.lr}")
+    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
+        parser.error(f"--max-grad-norm must be > 0, got {args.max_grad_norm}")
     return args
 
 
@@ -98,9 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     distributed = "WORLD_SIZE" in os.environ
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch sees no CUDA device")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if distributed:
         use_loopback_for_gloo()
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:
         return train(args)
     finally:
@@ -108,29 +154,71 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
+def build(args: argparse.Namespace, only: list[str] | None = None) -> torch.nn.Sequential:
+    """The model, the same on every process; ``only``: the segments to build, the
+    others on the meta device (None: all of them)."""
+    if args.model == "transformer":
+        return make_transformer_model(args.seed, args.width, args.blocks, only=only)
+    return make_pipeline_model(args.seed, args.width, args.blocks, only=only)
+
+
 def train(args: argparse.Namespace) -> int:
     x_train, y_train, x_test, y_test = load_digits_split(args.seed)
-    model = make_pipeline_model(args.seed, args.width, args.blocks)
+    device = (
+        torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else None
+    )
+    if device is not None:
+        x_train, y_train = x_train.to(device), y_train.to(device)
+    pipeline = vflow.Pipeline(args.stages, schedule=args.schedule)
+    # Each process builds only its own stage's segments: the whole model never exists
+    # in one process (the names of the segments come from a build on the meta device).
+    grid = vflow.pipeline.ProcessGrid.of(args.stages, timeout=600.0)
+    names = [name for name, _ in build(args, only=[]).named_children()]
+    own = pipeline.cut(names)[grid.stage]
+    model = build(args, only=own)
+    for name in own if device is not None else ():
+        getattr(model, name).to(device)
     ex = vflow.PipelineExecutor(
         model,
         lambda params: torch.optim.AdamW(params, lr=args.lr),
         lambda output, target: F.cross_entropy(output, target),
         args.virtual_nodes,
         seed=args.seed,
-        pipeline=vflow.Pipeline(args.stages, schedule=args.schedule),
+        pipeline=pipeline,
+        grid=grid,
         deterministic=args.deterministic,
+        amp=None if args.amp == "none" else args.amp,
+        max_grad_norm=args.max_grad_norm,
     )
     first = ex.grid.rank == 0
-    # The whole global batch on every process: each stage takes what it needs.
+    # Every process draws the same global batch, and keeps what it uses of its
+    # replica's share: the images on the first stage, the labels on the last.
     sampler = vflow.VNBatchSampler(
         len(y_train), args.batch_size, vflow.Plan([1]), 0, seed=args.seed
     )
+    start, stop = ex.plan.worker_range(ex.grid.replica, args.batch_size)
     started = time.perf_counter()
     for step in range(args.steps):
         indices, _ = sampler.step_indices(step)
-        result = ex.step(x_train[indices], y_train[indices])
+        mine = indices[start:stop]
+        result = ex.step(
+            x_train[mine] if ex.grid.is_first else None,
+            y_train[mine] if ex.grid.is_last else None,
+            global_batch_size=args.batch_size,
+        )
         if first and (step + 1) % args.log_every == 0:
-            _log.info("step %d/%d  loss %.4f", step + 1, args.steps, result.loss)
+            norm = "" if result.grad_norm is None else f"  gradient norm {result.grad_norm:.4f}"
+            scale = "" if result.loss_scale is None else f"  loss scale {result.loss_scale:g}"
+            skipped = "  (skipped: inf/NaN)" if result.skipped else ""
+            _log.info(
+                "step %d/%d  loss %.4f%s%s%s",
+                step + 1,
+                args.steps,
+                result.loss,
+                norm,
+                scale,
+                skipped,
+            )
     seconds = (time.perf_counter() - started) / max(args.steps, 1)
     state = ex.state_dict()
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -142,7 +230,7 @@ def train(args: argparse.Namespace) -> int:
         peak_mib,
     )
     if first:
-        whole = make_pipeline_model(args.seed, args.width, args.blocks)
+        whole = build(args)
         whole.load_state_dict(state["model"])
         _log.info("test accuracy %.4f after %d steps", accuracy(whole, x_test, y_test), args.steps)
         if args.out is not None:

@@ -237,3 +237,91 @@ def test_tests_mirror_the_rooms() -> None:
     for room in ROOMS:
         folder = REPO_ROOT / "tests" / room
         assert sorted(folder.glob("test_*.py")), f"tests/{room}/ has no tests"
+
+
+# torch.distributed's collectives (and group creation, itself a collective of the
+# default group), as module functions, and ProcessGroup's own spellings of them.
+_DIST_COLLECTIVES = frozenset(
+    {
+        "all_reduce",
+        "all_reduce_coalesced",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+        "monitored_barrier",
+        "batch_isend_irecv",
+        "broadcast",
+        "broadcast_object_list",
+        "gather",
+        "gather_object",
+        "irecv",
+        "isend",
+        "new_group",
+        "new_subgroups",
+        "recv",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "scatter",
+        "scatter_object_list",
+        "send",
+    }
+)
+_GROUP_METHODS = frozenset(
+    {"allreduce", "allgather", "allgather_into_tensor_coalesced", "alltoall", "alltoall_base"}
+)
+
+
+def _collectives_outside_world(trees: dict[str, ast.Module]) -> list[str]:
+    """``module:line name`` of every torch.distributed collective named outside
+    vflow.world: ``dist.X`` / ``torch.distributed.X``, ``from torch.distributed import
+    X`` and ProcessGroup methods (``group.allreduce``)."""
+    found = []
+    for module, tree in trees.items():
+        if module == "vflow.world" or module.startswith("vflow.world."):
+            continue
+        aliases = {"torch.distributed"}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases |= {a.asname for a in node.names if a.name == "torch.distributed"}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+                found += [
+                    f"{module}:{node.lineno} {a.name}"
+                    for a in node.names
+                    if a.name in _DIST_COLLECTIVES
+                ]
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = ast.unparse(node.value)
+            if (owner in aliases and node.attr in _DIST_COLLECTIVES) or node.attr in _GROUP_METHODS:
+                found.append(f"{module}:{node.lineno} {owner}.{node.attr}")
+    return found
+
+
+def test_every_collective_goes_through_the_world_room() -> None:
+    """Issue 37: one place decides on which device a collective's tensors live and
+    bounds its wait (vflow.world.World); a collective called elsewhere escapes both
+    (a CPU tensor handed to NCCL, a wait without vflow's timeout)."""
+    assert _collectives_outside_world(MODULES) == []
+
+
+def test_the_collective_check_finds_one() -> None:
+    planted = ast.parse(
+        "import torch.distributed as dist\n"
+        "from torch.distributed import barrier\n"
+        "def f(row, group):\n"
+        "    dist.all_reduce(row)\n"
+        "    torch.distributed.broadcast(row, 0)\n"
+        "    group.allreduce([row])\n"
+    )
+    assert _collectives_outside_world({"vflow.pipeline.x": planted}) == [
+        "vflow.pipeline.x:2 barrier",
+        "vflow.pipeline.x:4 dist.all_reduce",
+        "vflow.pipeline.x:5 torch.distributed.broadcast",
+        "vflow.pipeline.x:6 group.allreduce",
+    ]
+    assert _collectives_outside_world({"vflow.world.group": planted}) == []

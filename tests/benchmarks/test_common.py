@@ -5,6 +5,7 @@ step.py count or build the same model)."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -60,3 +61,30 @@ def test_size_problems_name_the_option(argv: list[str], problem: str | None) -> 
         args, processes=2, per="rank", positive=("threads", "batch_size", "hidden", "layers")
     )
     assert found == problem
+
+
+def test_peak_memory_from_proc_status() -> None:
+    text = "Name:\tpython\nVmPeak:\t  900 kB\nVmHWM:\t  300 kB\nVmRSS:\t  200 kB\nThreads:\t4\n"
+    status = common.parse_status(text)
+    assert status == {"VmHWM": 300 * 1024, "VmRSS": 200 * 1024}
+    with pytest.raises(ValueError):
+        common.parse_status("VmRSS:\t 1 kB\n")
+    if os.path.exists("/proc/self/status"):
+        mine = common.memory_status()
+        assert 0 < mine["VmRSS"] <= mine["VmHWM"]
+
+
+def test_the_mmap_threshold_is_set_for_the_processes_started_inside_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(common.MALLOC_ENV, "999")
+    with common.malloc_env(65536):
+        assert os.environ[common.MALLOC_ENV] == "65536"
+    assert os.environ[common.MALLOC_ENV] == "999"
+    with common.malloc_env(None):  # glibc's default: nothing set
+        assert common.MALLOC_ENV not in os.environ
+    assert os.environ[common.MALLOC_ENV] == "999"
+    monkeypatch.delenv(common.MALLOC_ENV)
+    with common.malloc_env(65536):
+        pass
+    assert common.MALLOC_ENV not in os.environ

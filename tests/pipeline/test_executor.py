@@ -149,21 +149,97 @@ def test_a_failing_step_changes_nothing_and_the_next_one_works() -> None:
         with pytest.raises(RuntimeError, match="loss failed"):
             ex.step(x, y)
         _unchanged(ex, before)
-        with pytest.raises(ValueError, match="inputs, targets and global_batch_size disagree"):
+        with pytest.raises(ValueError, match="inputs and targets disagree on B"):
             ex.step(x, y[:8])
         with pytest.raises(ValueError, match="every VN needs at least one"):
             ex.step(x[:3], y[:3])
         with pytest.raises(ValueError, match="targets is None on the last stage"):
             ex.step(x, None)
+        with pytest.raises(ValueError, match=r"inputs has 5 samples: neither the global batch"):
+            ex.step(x[:5], y, global_batch_size=B)
+        with pytest.raises(TypeError, match="inputs must be a tensor or a tuple of tensors"):
+            ex.step([x.tolist()], y)
         _unchanged(ex, before)
         ex.step(x, y)
         assert ex.step_count == 1
+
+
+def test_max_grad_norm_clips_the_global_batchs_gradient_as_clip_grad_norm_does() -> None:
+    x, y = _batch()
+
+    def clipped(m: nn.Module) -> torch.Tensor:
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        clipped.norm = float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05))
+        return loss.detach().requires_grad_()  # _expected_step's backward adds nothing
+
+    want = _expected_step(clipped)
+    with _executor(_model(), max_grad_norm=0.05) as ex:
+        result = ex.step(x, y)
+        got = ex.stage_module.state_dict()
+    assert result.grad_norm == pytest.approx(clipped.norm, rel=1e-5)
+    assert result.grad_norm > 0.05  # it did clip
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+
+
+def test_amp_runs_the_forwards_and_the_loss_under_autocast() -> None:
+    x, y = _batch()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = float(F.cross_entropy(_model()(x), y))
+    with _executor(_model(), amp="bf16") as ex:
+        result = ex.step(x, y)
+    # The mean of the VNs' bf16 losses, each weighted 1/V: near the whole batch's.
+    assert result.loss == pytest.approx(want, rel=2e-2)
+    with torch.no_grad():
+        full = float(F.cross_entropy(_model()(x), y))
+    assert result.loss != pytest.approx(full, rel=1e-6, abs=0)
+
+
+def test_fp16_loss_scaling_skips_an_overflowing_step_and_backs_off() -> None:
+    x, y = _batch()
+    scaler = vflow.LossScaler(init_scale=2.0**120, growth_interval=2)
+    with _executor(_model(), _adamw, amp="fp16", loss_scale=scaler) as ex:
+        before = copy.deepcopy(ex.stage_module.state_dict())
+        first = ex.step(x, y)
+        assert first.skipped and first.loss_scale == 2.0**120
+        after = ex.stage_module.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert ex.optimizer.state_dict()["state"] == {}
+        scales, result = [], first
+        while result.skipped:
+            scales.append(result.loss_scale)
+            result = ex.step(x, y)
+        assert len(scales) > 1 and scales == [2.0**120 / 2**k for k in range(len(scales))]
+        assert ex.skipped_steps == len(scales) and ex.state_dict()["loss_scaler"]["good_steps"] == 1
+
+
+def test_infer_returns_the_models_outputs_in_batch_order_and_changes_nothing() -> None:
+    x, y = _batch()
+    with _executor(_model(dropout=0.5), _adamw, seed=3) as ex:
+        ex.step(x, y)
+        before = copy.deepcopy(ex.stage_module.state_dict())
+        ex.stage_module.eval()
+        got = ex.infer(x)
+        with torch.no_grad():
+            want = ex.stage_module(x)
+        assert not got.requires_grad and ex.step_count == 1
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        ex.stage_module.train()
+        # Training mode: dropout draws from the VNs' streams, the same on every call.
+        assert torch.equal(ex.infer(x), ex.infer(x)) and not torch.equal(ex.infer(x), got)
+        after = ex.stage_module.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before) and ex.step_count == 1
+        with pytest.raises(ValueError, match="inputs has 3 samples"):
+            ex.infer(x[:3], global_batch_size=B)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
         ({"optimizer": torch.optim.SGD}, None, None),
+        ({"amp": "fp8"}, ValueError, "amp must be None, 'bf16' or 'fp16', got 'fp8'"),
+        ({"max_grad_norm": -1.0}, ValueError, "max_grad_norm must be a positive number"),
         ({"loss_fn": None}, ValueError, "loss_fn is None on the process holding the last stage"),
         ({"pipeline": 2}, ValueError, "stages=2 needs 2 processes"),
         ({"pipeline": "2"}, TypeError, "pipeline must be a vflow.Pipeline or a stage count"),

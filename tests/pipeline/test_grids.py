@@ -77,15 +77,27 @@ def _executor(grid: ProcessGrid | None, stages: int = 1, **kwargs: Any) -> vflow
         pipeline=vflow.Pipeline(stages, schedule=kwargs.pop("schedule", "1F1B")),
         grid=grid,
         buffer_rule="mean",
-        timeout=60,
+        timeout=kwargs.pop("timeout", 60),
         **kwargs,
     )
 
 
-def _train(ex: vflow.PipelineExecutor, steps: range) -> list[float]:
+def _train(ex: vflow.PipelineExecutor, steps: range, shares: bool = False) -> list[float]:
+    """``shares``: each process is given only what it uses of its replica's share (Note
+    [Data per replica]): inputs on the first stage, targets on the last, nothing between."""
     batches = _batches()
     dtype = next(ex.stage_module.parameters()).dtype
-    return [ex.step(batches[step][0].to(dtype), batches[step][1]).loss for step in steps]
+    losses = []
+    for step in steps:
+        x, y = batches[step][0].to(dtype), batches[step][1]
+        if shares:
+            start, stop = ex.plan.worker_range(ex.grid.replica, B)
+            x = x[start:stop] if ex.grid.is_first else None
+            y = y[start:stop] if ex.grid.is_last else None
+            losses.append(ex.step(x, y, global_batch_size=B).loss)
+        else:
+            losses.append(ex.step(x, y).loss)
+    return losses
 
 
 def _finish(ex: vflow.PipelineExecutor) -> dict[str, Any]:
@@ -104,6 +116,7 @@ def _reference_of(
     deterministic: Any = True,
     virtual_nodes: int = V,
     dtype: torch.dtype = torch.float32,
+    **kwargs: Any,
 ) -> dict[str, Any]:
     """stages=1 on one process, one intra-op thread like the ranks."""
     threads = torch.get_num_threads()
@@ -115,6 +128,7 @@ def _reference_of(
             deterministic=deterministic,
             virtual_nodes=virtual_nodes,
             dtype=dtype,
+            **kwargs,
         )
         for x, y in batches:
             ex.step(x.to(dtype), y)
@@ -155,12 +169,39 @@ def _fixed_grids(rank: int, world_size: int) -> dict[str, Any]:
         ("2x2 default", 2, {}),
         # bf16 parameters and activations, gradients accumulated in float32.
         ("2x2 bf16", 2, {"deterministic": True, "dtype": torch.bfloat16}),
+        *((name, 2, {"deterministic": True, **kwargs}) for name, kwargs in _FEATURES.items()),
+        (
+            "2x2 data per replica, plan [4, 2]",
+            2,
+            {"deterministic": True, "plan": vflow.Plan([4, 2])},
+        ),
     ):
         ex = _executor(ProcessGrid.of(stages), stages, **kwargs)
-        losses = _train(ex, range(STEPS))
+        losses = _train(ex, range(STEPS), shares="per replica" in name)
         profile = _profiles(ex)
+        norm = ex.last_result.grad_norm  # type: ignore[union-attr]
+        outputs = None
+        if name in _INFERRED:
+            ex.stage_module.eval()
+            outputs = (ex.infer(_batches()[0][0]), ex.infer(_batches()[0][0], gather=False))
+            ex.stage_module.train()
         results[name] = {"state": _finish(ex), "losses": losses, "profile": profile}
+        results[name]["norms"] = [norm]
+        results[name]["outputs"] = outputs
     return results
+
+
+# Executor features on grids, each against the same settings on one process.
+_FEATURES: dict[str, dict[str, Any]] = {
+    "2x2 max_grad_norm": {"max_grad_norm": 0.3},
+    "2x2 amp bf16": {"amp": "bf16"},
+    # A scale that overflows fp16 at first: the grid skips steps as one, backing off.
+    "2x2 amp fp16": {"amp": "fp16", "loss_scale": vflow.LossScaler(2.0**40, growth_interval=1)},
+}
+
+
+# Grids whose trained model also infers, against the model trained on one process.
+_INFERRED = ("2x2 1F1B", "1x4", "4x1")
 
 
 def _moved(rank: int, world_size: int, checkpoint: str) -> dict[str, Any]:
@@ -231,6 +272,57 @@ def _refused(rank: int, world_size: int) -> list[str]:
     return errors
 
 
+FAIL_TIMEOUT_S = 5.0
+
+
+def _failing(rank: int, world_size: int) -> dict[str, Any]:
+    """2 x 2; replica 0's last stage raises in its third VN's loss of step 1. It stays
+    alive (sleeping past the others' timeout), so the others learn nothing but silence."""
+    calls = [0]
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if rank == 1 and calls[0] == 1 + V // 2 + 3:  # shape inference, step 0, 3rd VN
+            raise ValueError("the loss failed")
+        return _mean_ce(output, target)
+
+    grid = ProcessGrid.of(2, timeout=FAIL_TIMEOUT_S)
+    ex = _executor(grid, 2, deterministic=True, loss_fn=loss_fn, timeout=FAIL_TIMEOUT_S)
+    x, y = _batches()[0]
+    ex.step(x, y)
+    before = {k: v.clone() for k, v in ex.stage_module.state_dict().items()}
+    optimizer = copy.deepcopy(ex.optimizer.state_dict())
+    started = time.monotonic()
+    try:
+        ex.step(x, y)
+        outcome = "no error"
+    except Exception as e:
+        outcome = type(e).__name__ + ": " + str(e)
+    waited = time.monotonic() - started
+    after = ex.stage_module.state_dict()
+    unchanged = (
+        all(torch.equal(before[k], after[k]) for k in before)
+        and ex.step_count == 1
+        and str(ex.optimizer.state_dict()) == str(optimizer)
+    )
+    if rank == 1:
+        time.sleep(2 * FAIL_TIMEOUT_S)
+    return {"outcome": outcome, "waited": waited, "unchanged": unchanged}
+
+
+def test_an_error_in_one_stage_fails_the_step_on_every_process_as_a_collective_error() -> None:
+    results = [r.value for r in run_ranks(4, _failing, timeout=120)]
+    assert results[1]["outcome"] == "ValueError: the loss failed"
+    for rank in (0, 2, 3):
+        outcome = results[rank]["outcome"]
+        assert outcome.startswith("CollectiveError: vflow step 1: "), (rank, outcome)
+        # Within the timeout (and the time to notice it), not at the backend's 30 min.
+        assert results[rank]["waited"] < FAIL_TIMEOUT_S + 20, (rank, results[rank]["waited"])
+    assert "pipeline's sends and receives" in results[0]["outcome"]
+    assert "all-reduce of the VN losses" in results[2]["outcome"]
+    assert all(r["unchanged"] for r in results)
+
+
 def _assert_same(got: dict[str, Any], want: dict[str, Any], exact: bool, where: str) -> None:
     assert got["step_count"] == want["step_count"], where
     assert list(got["model"]) == list(want["model"]), where
@@ -256,12 +348,36 @@ def test_every_grid_trains_the_single_process_model() -> None:
         exact = "default" not in name and "exact" not in name
         if "exact" in name:
             want = _reference(deterministic="exact")
-        if "bf16" in name:
+        if name == "2x2 bf16":
             want = _reference_of(_batches(), dtype=torch.bfloat16)
+        if name in _FEATURES:
+            want = _reference_of(_batches(), **copy.deepcopy(_FEATURES[name]))
         _assert_same(outcome["state"], want, exact, name)
         # Every process reports the same global loss, whichever stage it holds.
         assert all(r[name]["losses"] == outcome["losses"] for r in results), name
         assert all(r[name]["state"]["step_count"] == STEPS for r in results), name
+    # Inference on the grid: the last stages return the whole batch's outputs, the
+    # bits of the one-process executor's; the others return None.
+    alone = _executor(None)
+    alone.load_state_dict(ordered)
+    alone.stage_module.eval()
+    want = alone.infer(_batches()[0][0])
+    alone.close()
+    for name, stages in zip(_INFERRED, (2, 4, 1), strict=True):
+        for rank, r in enumerate(results):
+            gathered, own = r[name]["outputs"]
+            if rank % stages != stages - 1:
+                assert gathered is None and own is None, (name, rank)
+                continue
+            assert torch.equal(gathered, want), (name, rank)
+            start, stop = vflow.Plan.even(V, 4 // stages).worker_range(rank // stages, B)
+            assert torch.equal(own, want[start:stop]), (name, rank)
+    # fp16 started from a scale that overflows: steps were skipped, alike everywhere.
+    fp16 = results[0]["2x2 amp fp16"]["state"]
+    assert fp16["skipped_steps"] > 0 and fp16["loss_scaler"]["scale"] < 2.0**40
+    assert all(r["2x2 amp fp16"]["state"]["loss_scaler"] == fp16["loss_scaler"] for r in results)
+    clipped = [r["2x2 max_grad_norm"]["norms"] for r in results]
+    assert all(n == clipped[0] for n in clipped) and all(n > 0.3 for n in clipped[0])
 
     # Per-VN, per-stage profiles: each process times the VNs of its replica.
     for rank, by_grid in enumerate(results):

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,38 @@ def _train(tmp_path: Path, name: str, launcher: tuple[str, ...], *flags: str) ->
     return state["model"]
 
 
+# The processes a run takes, and its launcher: torchrun, or plainly one process.
+LAUNCHERS = {
+    4: (*TORCHRUN, "--nproc-per-node=4"),
+    2: (*TORCHRUN, "--nproc-per-node=2"),
+    1: (sys.executable,),
+}
+Trained = Callable[..., dict]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    """``trained(processes, stages, *flags)``: the model a run writes, each run once per
+    module (the tests share the one-process reference)."""
+    directory = tmp_path_factory.mktemp("runs")
+    models: dict[tuple, dict] = {}
+
+    def run(processes: int, stages: int, *flags: str) -> dict:
+        key = (processes, stages, *flags)
+        if key not in models:
+            models[key] = _train(
+                directory,
+                f"run{len(models)}",
+                LAUNCHERS[processes],
+                "--stages",
+                str(stages),
+                *flags,
+            )
+        return models[key]
+
+    return run
+
+
 def test_the_issue_flags_are_the_scripts() -> None:
     text = subprocess.run(
         [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, env=_env()
@@ -77,29 +110,52 @@ def test_the_issue_flags_are_the_scripts() -> None:
         assert flag in text, flag
 
 
-def test_every_grid_writes_the_same_model_with_deterministic(tmp_path: Path) -> None:
-    runs = {
-        "4 processes, 2 stages": ((*TORCHRUN, "--nproc-per-node=4"), "2"),
-        "2 processes, 2 stages": ((*TORCHRUN, "--nproc-per-node=2"), "2"),
-        "2 processes, 1 stage": ((*TORCHRUN, "--nproc-per-node=2"), "1"),
-        "1 process": ((sys.executable,), "1"),
-    }
-    models = {
-        name: _train(tmp_path, f"run{i}", launcher, "--stages", stages, "--deterministic")
-        for i, (name, (launcher, stages)) in enumerate(runs.items())
-    }
+# (processes, stages) of the issue's grids: one process, 2 stages, 2 x 2.
+GRIDS = ((1, 1), (2, 2), (4, 2))
+
+
+def _assert_bitwise(models: dict[str, dict], what: str) -> None:
     (_, reference), *others = models.items()
-    assert len(reference) > 10  # embed, 4 blocks, head: every tensor of the unsplit model
+    assert len(reference) > 10, what  # embed, the blocks, head: every tensor of the model
     for name, model in others:
-        assert list(model) == list(reference), name
+        assert list(model) == list(reference), f"{what}: {name}"
         for key in reference:
-            assert torch.equal(model[key], reference[key]), f"{name}: {key} differs"
+            assert torch.equal(model[key], reference[key]), f"{what}: {name}: {key} differs"
 
 
-def test_without_deterministic_the_grids_agree_to_1e_6(tmp_path: Path) -> None:
-    default = _train(tmp_path, "default", (*TORCHRUN, "--nproc-per-node=4"), "--stages", "2")
-    alone = _train(tmp_path, "default-alone", (sys.executable,), "--stages", "1")
+def test_every_grid_writes_the_same_model_with_deterministic(trained: Trained) -> None:
+    grids = (*GRIDS, (2, 1))  # and 2 replicas without a pipeline
+    models = {f"{n} processes, {s} stages": trained(n, s, "--deterministic") for n, s in grids}
+    _assert_bitwise(models, "--deterministic")
+
+
+def test_without_deterministic_the_grids_agree_to_1e_6(trained: Trained) -> None:
+    default, alone = trained(4, 2), trained(1, 1)
     for key in alone:
         a, b = default[key].double(), alone[key].double()
         error = float((a - b).norm() / max(float(b.norm()), 1e-30))
         assert error <= 1e-6, f"{key} differs by {error:.2e} without --deterministic"
+
+
+@pytest.mark.parametrize("flags", [("--max-grad-norm", "0.5"), ("--amp", "bf16")])
+def test_clipping_and_amp_keep_every_grid_bitwise(trained: Trained, flags: tuple[str, str]) -> None:
+    """The issue's acceptance: with ``--deterministic``, ``--out`` is bitwise the same on
+    one process, on 2 stages and on 2 x 2, and differs from the run without the flag
+    (so the flag did something)."""
+    models = {
+        f"{n} processes, {s} stages": trained(n, s, "--deterministic", *flags) for n, s in GRIDS
+    }
+    _assert_bitwise(models, " ".join(flags))
+    plain, flagged = trained(1, 1, "--deterministic"), models["1 processes, 1 stages"]
+    assert any(not torch.equal(flagged[key], plain[key]) for key in plain), flags
+
+
+def test_the_transformer_passing_a_mask_between_stages_is_bitwise_on_two_stages(
+    trained: Trained,
+) -> None:
+    """Segments that pass two tensors (hidden states and an attention mask) on: 2
+    stages on 2 processes train the model one process trains, to the bit."""
+    flags = ("--model", "transformer", "--blocks", "2", "--deterministic")
+    alone = trained(1, 1, *flags)
+    assert any(".attention." in key for key in alone)
+    _assert_bitwise({"1 process": alone, "2 stages": trained(2, 2, *flags)}, "transformer")

@@ -199,3 +199,26 @@ def test_no_backend_thread_keeps_a_tensor_python_can_see() -> None:
         assert control[0] > 1, "the control should see torch's Work holding the tensor"
         for what, values in counts.items():
             assert values == [1] * len(values), (what, values)
+
+
+def _started_sum(rank: int, world_size: int) -> str:
+    world = World(dist.group.WORLD, timedelta(seconds=3))
+    row = torch.full((5,), float(rank + 1), dtype=torch.float64)
+    pending = world.start_sum(row, "all-reduce of the rows", 3)
+    pending.wait()
+    assert torch.equal(row, torch.full((5,), 3.0, dtype=torch.float64))
+    with pytest.raises(ValueError, match="must be contiguous"):
+        world.start_sum(torch.zeros(4, 2)[:, 0], "all-reduce of a view", 3)
+    if rank == 1:
+        time.sleep(6)  # hangs past the timeout
+        return "hung"
+    pending = world.start_sum(row, "all-reduce of the rows", 4)  # returns at once
+    with pytest.raises(CollectiveError) as info:
+        pending.wait()
+    return str(info.value)
+
+
+def test_a_started_sum_ends_in_wait_and_a_missing_rank_is_a_collective_error() -> None:
+    message = run_ranks(2, _started_sum)[0].value
+    assert message.startswith("vflow step 4: all-reduce of the rows on "), message
+    assert "timed out (timeout 3 s): " in message

@@ -18,6 +18,7 @@ from vflow.demo.digits import (
     load_digits_split,
     make_model,
     make_pipeline_model,
+    make_transformer_model,
 )
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "main",
     "make_model",
     "make_pipeline_model",
+    "make_transformer_model",
 ]
 
 

@@ -13,6 +13,6 @@ elastic room: both drive executors, neither drives the other.
 from vflow.pipeline.checkpoint import load, save
 from vflow.pipeline.executor import PipelineExecutor
 from vflow.pipeline.grid import ProcessGrid
-from vflow.pipeline.spec import Pipeline
+from vflow.pipeline.spec import Pipeline, Segments
 
-__all__ = ["Pipeline", "PipelineExecutor", "ProcessGrid", "load", "save"]
+__all__ = ["Pipeline", "PipelineExecutor", "ProcessGrid", "Segments", "load", "save"]

@@ -33,39 +33,41 @@ import collections
 import contextlib
 import dataclasses
 import datetime
-import logging
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
 
 from vflow.mapping import rng
+from vflow.mapping.batching import concat_outputs
 from vflow.mapping.plan import Plan, VNSlice
 from vflow.pipeline import state as pipeline_state
 from vflow.pipeline.grid import ProcessGrid
-from vflow.pipeline.spec import SCHEDULES, Pipeline, segments, stage_bounds
+from vflow.pipeline.spec import SCHEDULES, Pipeline, Segments, segments, stage_bounds
 from vflow.pipeline.stage import VNStage
 from vflow.pipeline.streams import SegmentStreams
 from vflow.planning import auto_plan
 from vflow.planning.auto_plan import AutoPlan, PlanChange
 from vflow.planning.profile import StepProfile, VNProfile, WorkerProfile
-from vflow.runtime import losses, training_state
+from vflow.runtime import inference, losses, training_state
+from vflow.runtime.amp import LossScaler
+from vflow.runtime.clock import StepClock
 from vflow.runtime.config import ExecutorConfig
 from vflow.runtime.grad_store import GradStore, refuse_compiled_autograd, trainable_params
 from vflow.runtime.module_buffers import BufferRule
 from vflow.runtime.reduction import Reduction, for_kind
 from vflow.runtime.registered_state import RegisteredState, registered_from
 from vflow.runtime.results import PhaseTimings, StepResult
+from vflow.runtime.step_cycle import StepParts, run_step
 from vflow.runtime.step_run import profiled
 from vflow.world import membership
-from vflow.world.group import CollectiveError, World, check_plan
+from vflow.world.group import CollectiveError, PendingSum, World, check_plan
 
 LossFn = Callable[[Any, Any], Any]
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-
-_log = logging.getLogger("vflow")
 
 
 class PipelineExecutor:
@@ -96,6 +98,17 @@ class PipelineExecutor:
         deterministic: as for ``vflow.Executor``: True/"ordered" or "exact" make the
             parameters and optimizer state bitwise the same for any replica count, any
             stage count and any plan (docs/reproducibility.md).
+        amp: None, "bf16" or "fp16": every segment's forward and ``loss_fn`` run under
+            autocast in that dtype, on every stage (Note [Mixed precision on a grid]).
+        loss_scale: fp16 loss scaling, as for ``vflow.Executor``: on by default with
+            amp="fp16"; the last stage scales each VN's loss, every stage unscales its
+            gradients, and one inf/NaN verdict for the whole grid skips the step and
+            moves the scale alike on every process.
+        max_grad_norm: clip the gradient of the whole model (every stage's
+            parameters) to this global 2-norm before the optimizer step; every
+            process computes the same norm from every stage's parameter norms, added
+            in the unsplit model's parameter order, so it is the same bits on any grid
+            (Note [One norm for the grid]). ``StepResult.grad_norm`` reports it.
         accumulate_dtype, buffer_rule, skip_nonfinite, timeout, bucket_cap_mb,
         first_bucket_mb: as for ``vflow.Executor``.
         registered_state: ``registered_state(stage_optimizer) -> {name: obj}`` builds
@@ -121,6 +134,9 @@ class PipelineExecutor:
         grid: ProcessGrid | None = None,
         plan: Plan | AutoPlan | str | None = None,
         deterministic: bool | str = False,
+        amp: str | None = None,
+        loss_scale: bool | LossScaler | None = None,
+        max_grad_norm: float | None = None,
         accumulate_dtype: torch.dtype = torch.float32,
         buffer_rule: str = "vn0",
         skip_nonfinite: bool | None = None,
@@ -151,19 +167,19 @@ class PipelineExecutor:
         config = ExecutorConfig.from_arguments(
             virtual_nodes=virtual_nodes,
             seed=seed,
-            amp=None,
+            amp=amp,
             accumulate_dtype=accumulate_dtype,
-            loss_scale=False,
+            loss_scale=loss_scale,
             skip_nonfinite=skip_nonfinite,
             buffer_rule=buffer_rule,
-            max_grad_norm=None,
+            max_grad_norm=max_grad_norm,
             bucket_cap_mb=bucket_cap_mb,
             first_bucket_mb=first_bucket_mb,
             broadcast_parameters=True,
             deterministic=deterministic,
             prefetch=False,
             timeout=timeout,
-            has_fp16_params=False,
+            has_fp16_params=any(p.dtype == torch.float16 for p in model.parameters()),
         )
         if grid is None:
             grid = ProcessGrid.of(pipeline.stages, timeout=config.timeout)
@@ -186,12 +202,21 @@ class PipelineExecutor:
         self.model = model
         self.stage_module = stage_module
         self.optimizer = stage_optimizer
+        if isinstance(loss_scale, LossScaler):
+            self.scaler: LossScaler | None = loss_scale
+        else:
+            self.scaler = None if config.loss_scaling is None else LossScaler()
         self.step_count = 0
         self.skipped_steps = 0
         self._registered = RegisteredState()
         self._bounds = bounds
         self._segment_names = [name for name, _ in named_segments]
         self._params = params
+        # Note [One norm for the grid]: each parameter's slot, in the unsplit model's order.
+        order = {name: k for k, (name, _) in enumerate(model.named_parameters())}
+        names = {id(p): name for name, p in stage_module.named_parameters()}
+        self._norm_slots = [order[names[id(p)]] for p in params]
+        self._norm_width = len(order)
         self._device = params[0].device
         self._generators = rng.generators([self._device])
         self._grid = grid
@@ -227,9 +252,11 @@ class PipelineExecutor:
             stage_module, config.buffer_rule, config.virtual_nodes if config.deterministic else None
         )
         self._run: _StepRun | None = None
-        self._stage: VNStage | None = None
-        self._microbatch_size = 0  # the samples per microbatch the stage's shapes fit
-        self._schedules: dict[int, Any] = {}
+        self._infer_slices: list[VNSlice] | None = None  # while ``infer`` runs
+        # For training (True) and inference (False): the stage, with the samples per
+        # microbatch its shapes were inferred on, and its schedules by microbatch count.
+        self._stages: dict[bool, tuple[int, VNStage]] = {}
+        self._schedules: dict[tuple[bool, int], Any] = {}
         self._last_result: StepResult | None = None
         self._release_other_segments(named_segments, first, stop)
 
@@ -260,6 +287,11 @@ class PipelineExecutor:
         """The names of the segments this process holds."""
         first, stop = self._bounds[self._grid.stage]
         return self._segment_names[first:stop]
+
+    @property
+    def segment_names(self) -> list[str]:
+        """The names of the model's segments (its children), every stage's."""
+        return list(self._segment_names)
 
     @property
     def reducer(self) -> Any:
@@ -295,7 +327,7 @@ class PipelineExecutor:
                 f"loss_fn is None on the process holding the last stage (stage {grid.stage}, "
                 f"replica {grid.replica}): the loss runs there"
             )
-        stage_module = torch.nn.Sequential(collections.OrderedDict(named_segments[first:stop]))
+        stage_module = Segments(collections.OrderedDict(named_segments[first:stop]))
         stage_optimizer = optimizer([p for p in stage_module.parameters() if p.requires_grad])
         if not isinstance(stage_optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -305,6 +337,8 @@ class PipelineExecutor:
         params = trainable_params(stage_module, stage_optimizer)
         reduction = for_kind(config.deterministic)
         reduction.check_support(params, config.accumulate_dtype, config.virtual_nodes)
+        if config.amp_dtype is not None:
+            _check_autocast(params[0].device, config.amp_dtype, config.amp)
         prepared = reduction.prepare_world(checked, grid.replica)
         return _CheckedStage(
             auto, checked, bounds, stage_module, stage_optimizer, params, reduction, prepared
@@ -471,7 +505,7 @@ class PipelineExecutor:
         )
         self._grid = grid
         self._plan = plan
-        self._stage = None
+        self._stages = {}
         self._schedules = {}
         self._last_result = None
         self._restart_auto()
@@ -480,15 +514,21 @@ class PipelineExecutor:
 
     def step(
         self,
-        inputs: torch.Tensor | None,
-        targets: Any,
+        inputs: torch.Tensor | tuple[torch.Tensor, ...] | None,
+        targets: torch.Tensor | tuple[torch.Tensor, ...] | None,
         *,
         global_batch_size: int | None = None,
     ) -> StepResult:
-        """Runs one global step on the global batch: ``inputs`` (what the first segment
-        takes, B samples along dim 0) on the first stage, ``targets`` (what
-        ``loss_fn`` takes, B along dim 0) on the last; a process that does not hold
-        them may pass None, with ``global_batch_size=B`` when it holds neither.
+        """Runs one global step of B samples (Note [Data per replica]).
+
+        ``inputs``: what the first segment takes (a tensor, or a tuple of tensors, its
+        positional arguments), on the first stage; ``targets``: what ``loss_fn`` takes
+        beside the last segment's output (a tensor or a tuple of tensors), on the last
+        stage. Each is either the whole global batch (B samples along dim 0) or, with
+        ``global_batch_size=B``, only this replica's share: the samples of its VNs,
+        ``plan.worker_range(grid.replica, B)``. A process that does not use them (a
+        middle stage; inputs on the last stage) may pass None, with
+        ``global_batch_size=B`` when it holds neither.
 
         On an error before the optimizer step the parameters, buffers, optimizer and
         step count stay as they were.
@@ -496,75 +536,51 @@ class PipelineExecutor:
         self._check_open()
         refuse_compiled_autograd("vflow.PipelineExecutor.step")
         grid = self._grid
-        batch_size = self._batch_size(inputs, targets, global_batch_size)
-        slices = self._plan.worker_slices(grid.replica, batch_size)
-        # Every VN, not only this replica's: every process must refuse the same batch.
-        if grid.stages > 1 and len(set(self._plan.vn_sizes(batch_size))) > 1:
-            raise ValueError(
-                f"a global batch of {batch_size} samples does not split into "
-                f"virtual_nodes={self.virtual_nodes} VNs of one size; a pipeline's microbatches "
-                "must all have the same shape (make B a multiple of V)"
-            )
-        if grid.is_first and inputs is None:
-            raise ValueError(f"inputs is None on stage 0 (replica {grid.replica}): it runs them")
-        if grid.is_last and targets is None:
-            raise ValueError(
-                f"targets is None on the last stage (stage {grid.stage}, replica "
-                f"{grid.replica}): loss_fn takes them"
-            )
-        lo, hi = slices[0].start, slices[-1].start + slices[-1].size
+        batch_size, slices, mine_in, mine_target = self._replica_batch(
+            inputs, targets, global_batch_size, training=True
+        )
         assert self._streams is not None
-        run = _StepRun(self, slices, batch_size)
-        start = time.perf_counter()
-        self._grads.begin_step(self.step_count)
-        self._streams.begin_step(self.seed, self.step_count)
+        run = _StepRun(self, slices, batch_size, mine_target)
+        clock = run.clock
+        start = clock.mark()
         buffers = self._buffers if self._buffers.has_buffers else None
-        if buffers is not None:
-            buffers.begin_step()
-        self._run = run
-        try:
-            with (
-                rng.preserved_rng(self._generators),
-                profiled("vflow::pipeline_step", run.profiling),
-            ):
-                mine_in = None if inputs is None or not grid.is_first else inputs[lo:hi]
-                mine_target = None if targets is None or not grid.is_last else targets[lo:hi]
+        marks: list[Any] = []  # after the VNs, after the reductions
+
+        def compute() -> None:
+            self._grads.begin_step(self.step_count)
+            self._streams.begin_step(self.seed, self.step_count)  # type: ignore[union-attr]
+            self._run = run
+            try:
                 if grid.stages == 1:
-                    run.sequential(mine_in, mine_target)
+                    run.sequential(mine_in)
                 else:
-                    self._schedule(len(slices), slices[0].size).step(
-                        *(() if mine_in is None else (mine_in,)),
-                        target=mine_target,
-                        return_outputs=False,
-                    )
-            after_vns = time.perf_counter()
+                    self._run_schedule(len(slices), slices[0].size, mine_in)
+            finally:
+                self._streams.end_step()  # type: ignore[union-attr]
+                self._run = None
+            marks.append(clock.mark())
             run.reduce()
             if buffers is not None and grid.replicas > 1:
                 buffers.reduce(self._replicas_world(grid), self.virtual_nodes, self.step_count)
-            after_reduce = time.perf_counter()
-            if run.skipped:
-                self._grads.clear()
-                self.skipped_steps += 1
-                _log.warning(
-                    "vflow step %d: inf/NaN in the gradients, optimizer step skipped",
-                    self.step_count,
-                )
-            else:
-                self._grads.publish()
-                self.optimizer.step()
-            run.settle()
-        except BaseException:
-            if buffers is not None:
-                buffers.abort()
-            self._grads.clear()
-            raise
-        finally:
-            self._streams.end_step()
-            self._run = None
-        if buffers is not None:
-            buffers.commit()
-        end = time.perf_counter()
-        result = run.result(start, after_vns, after_reduce, end)
+            marks.append(clock.mark())
+
+        parts = StepParts(
+            self._grads,
+            self.optimizer,
+            self.scaler,
+            buffers,
+            self._generators,
+            self.step_count,
+            "vflow::pipeline_step",
+        )
+        # One verdict for the grid: every process moves its loss scale alike.
+        scale = run_step(parts, run, compute)
+        if run.skipped:
+            self.skipped_steps += 1
+        after_vns, after_reduce = marks
+        end = clock.mark()
+        clock.finish(end)
+        result = run.result(start, after_vns, after_reduce, end, scale)
         self._last_result = result
         self._previous = _PreviousStep(
             self._plan, batch_size, self.step_count, result.profile, result.timings.reduce_wait
@@ -589,26 +605,61 @@ class PipelineExecutor:
         )
         self._plan = new
 
+    def _replica_batch(
+        self, inputs: Any, targets: Any, global_batch_size: int | None, *, training: bool
+    ) -> tuple[int, list[VNSlice], Any, Any]:
+        """B, this replica's VNs, and what this process takes of their samples: the
+        inputs on the first stage, the targets on the last when ``training`` (Note [Data
+        per replica]). Checked alike on every process, before anything changes."""
+        grid = self._grid
+        batch_size = self._batch_size(inputs, targets, global_batch_size)
+        slices = self._plan.worker_slices(grid.replica, batch_size)
+        # Every VN, not only this replica's: every process must refuse the same batch.
+        if grid.stages > 1 and len(set(self._plan.vn_sizes(batch_size))) > 1:
+            raise ValueError(
+                f"a global batch of {batch_size} samples does not split into "
+                f"virtual_nodes={self.virtual_nodes} VNs of one size; a pipeline's microbatches "
+                "must all have the same shape (make B a multiple of V)"
+            )
+        if grid.is_first and inputs is None:
+            raise ValueError(f"inputs is None on stage 0 (replica {grid.replica}): it runs them")
+        if training and grid.is_last and targets is None:
+            raise ValueError(
+                f"targets is None on the last stage (stage {grid.stage}, replica "
+                f"{grid.replica}): loss_fn takes them"
+            )
+        lo, hi = slices[0].start, slices[-1].start + slices[-1].size
+        mine_in = _share(inputs, "inputs", batch_size, lo, hi) if grid.is_first else None
+        last = training and grid.is_last
+        mine_target = _share(targets, "targets", batch_size, lo, hi) if last else None
+        return batch_size, slices, mine_in, mine_target
+
     def _batch_size(self, inputs: Any, targets: Any, global_batch_size: int | None) -> int:
-        sizes = {
-            name: value.shape[0]
-            for name, value in (("inputs", inputs), ("targets", targets))
-            if isinstance(value, torch.Tensor) and value.dim() > 0
-        }
+        """B: ``global_batch_size``, else the samples of ``inputs`` and ``targets``
+        (which must then agree: each is the whole batch)."""
         if global_batch_size is not None:
             if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int):
                 raise TypeError(
                     f"global_batch_size must be an int, got {type(global_batch_size).__name__}"
                 )
-            sizes["global_batch_size"] = global_batch_size
-        if not sizes:
-            raise ValueError(
-                "step needs the batch size: pass inputs or targets (tensors, samples along "
-                "dim 0), or global_batch_size"
-            )
-        if len(set(sizes.values())) > 1:
-            raise ValueError(f"inputs, targets and global_batch_size disagree on B: {sizes}")
-        batch_size = next(iter(sizes.values()))
+            batch_size = global_batch_size
+        else:
+            sizes = {
+                name: _samples(value, name)
+                for name, value in (("inputs", inputs), ("targets", targets))
+                if value is not None
+            }
+            if not sizes:
+                raise ValueError(
+                    "step needs the batch size: pass inputs or targets (tensors, samples along "
+                    "dim 0), or global_batch_size"
+                )
+            if len(set(sizes.values())) > 1:
+                raise ValueError(
+                    f"inputs and targets disagree on B: {sizes}; pass global_batch_size=B with "
+                    "a replica's share"
+                )
+            batch_size = next(iter(sizes.values()))
         if batch_size < self.virtual_nodes:
             raise ValueError(
                 f"the global batch has {batch_size} samples but virtual_nodes="
@@ -616,34 +667,84 @@ class PipelineExecutor:
             )
         return batch_size
 
-    def _schedule(self, microbatches: int, microbatch_size: int) -> Any:
-        if self._stage is not None and microbatch_size != self._microbatch_size:
-            # The stage's shapes were inferred on other microbatches: infer them again.
-            self._stage = None
-        if self._stage is None:
-            self._microbatch_size = microbatch_size
+    def _run_schedule(self, microbatches: int, microbatch_size: int, inputs: Any) -> None:
+        """The replica's VNs as one schedule's microbatches (Note [A failure inside a
+        schedule]). The schedule splits the inputs (each tensor of a tuple along dim 0);
+        the last stage takes each VN's targets itself (``_vn_loss``), so that they may
+        be a tuple too: the schedule gets a placeholder, one element per microbatch."""
+        schedule = self._schedule(microbatches, microbatch_size)
+        placeholder = torch.zeros(microbatches) if self._grid.is_last else None
+        self._schedule_step(
+            schedule, inputs, f"vflow step {self.step_count}", target=placeholder, outputs=False
+        )
+
+    def _schedule_step(
+        self, schedule: Any, inputs: Any, where: str, *, target: Any, outputs: bool
+    ) -> Any:
+        """``schedule.step`` on ``inputs`` (a tensor or a tuple: the first segment's
+        arguments), its failures from the network as CollectiveError (Note [A failure
+        inside a schedule])."""
+        args = () if inputs is None else inputs if isinstance(inputs, tuple) else (inputs,)
+        try:
+            return schedule.step(*args, target=target, return_outputs=outputs)
+        except CollectiveError:
+            raise
+        except RuntimeError as e:
+            if not _from_the_network(e):
+                raise
+            raise CollectiveError(
+                f"{where}: the pipeline's sends and receives on "
+                f"{World(self._grid.stage_group, self.config.timeout).description} failed "
+                f"(another stage of replica {self._grid.replica} failed or is gone): {e}"
+            ) from e
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """What the segments' forwards and ``loss_fn`` run under (Note [Mixed precision
+        on a grid])."""
+        if self.config.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self._device.type, dtype=self.config.amp_dtype)
+
+    def _schedule(self, microbatches: int, microbatch_size: int, training: bool = True) -> Any:
+        """The schedule of ``microbatches`` microbatches: the pipeline's, with the VN loss,
+        for training; forward only (GPipe's order, no loss) for ``infer``. Training and
+        inference have stages of their own: a stage's shape inference knows whether a
+        backward follows."""
+        held = self._stages.get(training)
+        if held is None or held[0] != microbatch_size:
+            # No stage yet, or its shapes were inferred on other microbatches.
             grid = self._grid
             assert grid.stage_group is not None
-            self._stage = VNStage(
+            stage = VNStage(
                 self.stage_module, grid.stage, grid.stages, self._device, grid.stage_group, self
             )
-            self._schedules = {}
-        schedule = self._schedules.get(microbatches)
+            held = self._stages[training] = (microbatch_size, stage)
+            self._schedules = {k: v for k, v in self._schedules.items() if k[0] != training}
+        schedule = self._schedules.get((training, microbatches))
         if schedule is None:
-            schedule = SCHEDULES[self.pipeline.schedule](
-                self._stage, microbatches, loss_fn=self._vn_loss, scale_grads=False
-            )
-            self._schedules[microbatches] = schedule
+            if training:
+                schedule = SCHEDULES[self.pipeline.schedule](
+                    held[1], microbatches, loss_fn=self._vn_loss, scale_grads=False
+                )
+            else:
+                schedule = SCHEDULES["GPipe"](held[1], microbatches)
+            self._schedules[(training, microbatches)] = schedule
         return schedule
 
     # The StageListener of VNStage (Note [Capturing a stage's gradients]).
 
     def forward_begins(self, microbatch: int) -> None:
-        assert self._run is not None and self._streams is not None
+        assert self._streams is not None
+        if self._infer_slices is not None:
+            self._streams.begin_vn(self._infer_slices[microbatch].vn)
+            return
+        assert self._run is not None
         self._streams.begin_vn(self._run.slices[microbatch].vn)
         self._run.mark(microbatch, 0)
 
     def forward_ends(self, microbatch: int) -> None:
+        if self._infer_slices is not None:
+            return
         assert self._run is not None
         self._run.mark(microbatch, 1)
         self._run.loss_position = microbatch
@@ -660,17 +761,90 @@ class PipelineExecutor:
             yield
         run.mark(microbatch, 3)
 
-    def _vn_loss(self, output: Any, target: Any) -> torch.Tensor:
+    def _vn_loss(self, output: Any, placeholder: Any) -> torch.Tensor:
         """The schedule's loss function on the last stage: the VN's weighted loss
-        (Note [VNs as microbatches])."""
-        assert self.loss_fn is not None
+        (Note [VNs as microbatches]), on the VN's targets (``_run_schedule``)."""
+        assert self.loss_fn is not None and self._run is not None
         run = self._run
-        if run is None or run.loss_position is None:
-            # Shape inference on placeholders (Note [Capturing a stage's gradients]).
-            out = self.loss_fn(output, target)
+        if run.loss_position is None:
+            # Shape inference, on the first VN's targets: its loss is thrown away (Note
+            # [Capturing a stage's gradients]).
+            with self.autocast():
+                out = self.loss_fn(output, run.vn_targets(0))
             return out[0] if isinstance(out, tuple) else out
         position, run.loss_position = run.loss_position, None
-        return run.weighted_loss(position, self.loss_fn(output, target))
+        with self.autocast():
+            out = self.loss_fn(output, run.vn_targets(position))
+        return run.weighted_loss(position, out)
+
+    # ---- inference ---------------------------------------------------------------------
+
+    def infer(
+        self,
+        inputs: torch.Tensor | tuple[torch.Tensor, ...] | None,
+        *,
+        global_batch_size: int | None = None,
+        gather: bool = True,
+    ) -> Any:
+        """The last segment's outputs for a batch of B samples, under no_grad, on the
+        grid (Note [Inference on a grid]): each replica forwards its VNs as the
+        microbatches of a forward-only schedule (one after another when S = 1).
+
+        ``inputs`` and ``global_batch_size`` as for ``step`` (the whole batch, or the
+        replica's share with ``global_batch_size``; None on the other stages). Returns,
+        on each process holding a last stage, the outputs of the whole batch in batch
+        order (``gather``, the default: gathered over the replicas' last stages) or of
+        its replica's share (``gather=False``); None on the other stages. Outputs are
+        tensors or tuples/dicts of them, concatenated along dim 0. Dropout and
+        BatchNorm follow the modules' mode: call ``stage_module.eval()`` first (the
+        executor does not change it). A collective of the grid."""
+        self._check_open()
+        if not isinstance(gather, bool):
+            raise TypeError(f"gather must be a bool, got {type(gather).__name__}")
+        grid = self._grid
+        batch_size, slices, mine, _ = self._replica_batch(
+            inputs, None, global_batch_size, training=False
+        )
+        lo = slices[0].start
+        assert self._streams is not None
+        local: Any = None
+        with (
+            torch.no_grad(),
+            rng.preserved_rng(self._generators),
+            profiled("vflow::pipeline_infer", torch.autograd._profiler_enabled()),
+        ):
+            self._streams.begin_step(self.seed, self.step_count)
+            self._infer_slices = slices
+            try:
+                if grid.stages == 1:
+                    outputs = []
+                    for position, vn_slice in enumerate(slices):
+                        start = vn_slice.start - lo
+                        vn_inputs = _rows(mine, start, start + vn_slice.size)
+                        self.forward_begins(position)
+                        with self.autocast():
+                            outputs.append(
+                                self.stage_module(
+                                    *vn_inputs if isinstance(vn_inputs, tuple) else (vn_inputs,)
+                                )
+                            )
+                    local = concat_outputs(outputs)
+                else:
+                    local = self._infer_schedule(len(slices), slices[0].size, mine)
+            finally:
+                self._streams.end_step()
+                self._infer_slices = None
+        if not grid.is_last:
+            return None
+        if not gather or grid.replicas == 1:
+            return local
+        world = World(grid.replica_group, self.config.timeout)
+        return inference.gather(world, self._plan, local, batch_size, self.step_count)
+
+    def _infer_schedule(self, microbatches: int, microbatch_size: int, inputs: Any) -> Any:
+        schedule = self._schedule(microbatches, microbatch_size, training=False)
+        where = f"vflow (inference at step {self.step_count})"
+        return self._schedule_step(schedule, inputs, where, target=None, outputs=True)
 
     # ---- training state --------------------------------------------------------------
 
@@ -695,7 +869,7 @@ class PipelineExecutor:
 
     def _state_target(self) -> training_state.Target:
         return training_state.Target(
-            self.stage_module, self.optimizer, None, self.virtual_nodes, self._registered
+            self.stage_module, self.optimizer, self.scaler, self.virtual_nodes, self._registered
         )
 
     def register_state(self, name: str, obj: Any) -> None:
@@ -709,6 +883,20 @@ class PipelineExecutor:
         self._check_open()
         self._registered.register(name, obj)
 
+    def stage_state_dict(self) -> dict[str, Any]:
+        """This process's stage alone, no collective: its segments' state dict and its
+        optimizer state under the unsplit model's names, its registered objects' and
+        loss scaler's states (vflow.pipeline.state's part of a stage; what
+        ``vflow.pipeline.save`` writes from each process)."""
+        self._check_open()
+        return pipeline_state.stage_part(
+            self.stage_module,
+            self.optimizer,
+            self._grid.stage,
+            self._registered,
+            None if self.scaler is None else self.scaler.state_dict(),
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """The whole model's training state, gathered from every stage: the model's
         state dict under the names of the unsplit model, the optimizer state by
@@ -716,13 +904,7 @@ class PipelineExecutor:
         the grid; the state is returned on every process. It loads on any grid with
         the same V (``load_state_dict``), and into ``stages=1`` on one process."""
         self._check_open()
-        mine = (
-            pipeline_state.stage_part(
-                self.stage_module, self.optimizer, self._grid.stage, self._registered
-            )
-            if self._grid.replica == 0
-            else None
-        )
+        mine = self.stage_state_dict() if self._grid.replica == 0 else None
         parts = pipeline_state.gather(self._grid_world(), mine, self._grid.stages)
         return pipeline_state.assemble(
             parts,
@@ -786,31 +968,49 @@ class PipelineExecutor:
 
 
 class _StepRun:
-    """One step's bookkeeping on one process: the VNs' losses (last stage), times."""
+    """One step's bookkeeping on one process: the VNs' losses (last stage, kept as
+    tensors until the step's one read), the step's clock, the reductions that follow
+    the schedule."""
 
-    def __init__(self, executor: PipelineExecutor, slices: list[VNSlice], total: int) -> None:
+    def __init__(
+        self, executor: PipelineExecutor, slices: list[VNSlice], total: int, targets: Any
+    ) -> None:
         self.executor = executor
         self.slices = slices
         self.total = total
+        self.targets = targets  # this replica's share (last stage), else None
+        self.clock = StepClock(executor._device)
+        self.scale = 1.0 if executor.scaler is None else executor.scaler.scale
         self.loss_position: int | None = None
         self.kind: losses.LossKind | None = None
-        self.vn_losses: dict[int, float] = {}
-        self.vn_items: dict[int, float] = {}
-        self.times = [[0.0, 0.0, 0.0, 0.0] for _ in slices]
+        # (vn, detached loss, weight, num_items) of each VN this process computed the loss of.
+        self.vn_losses: list[tuple[int, torch.Tensor, float, Any]] = []
+        self.times: list[list[Any]] = [[None, None, None, None] for _ in slices]
         self.loss = math.nan
         self.num_items: int | float = 0
         self.skipped = False
+        self.published = False
+        self.grad_norm: float | None = None
         self.wait_s = 0.0
         self.profiling = torch.autograd._profiler_enabled()
         self.gathered_profile: StepProfile | None = None
         self._row = torch.zeros(0)
         self._layout: _ProfileLayout | None = None
-        self._pending: Any = None  # the losses' all-reduce the last stage did not wait for
+        self._pending: PendingSum | None = None  # the losses' sum the last stage did not wait for
 
     def mark(self, position: int, point: int) -> None:
-        self.times[position][point] = time.perf_counter()
+        self.times[position][point] = self.clock.mark()
+
+    def _bounds(self, position: int) -> tuple[int, int]:
+        lo = self.slices[position].start - self.slices[0].start
+        return lo, lo + self.slices[position].size
+
+    def vn_targets(self, position: int) -> Any:
+        return _rows(self.targets, *self._bounds(position))
 
     def weighted_loss(self, position: int, out: Any) -> torch.Tensor:
+        """The loss the VN's backward starts from: weighted (mean losses) and scaled
+        (fp16 loss scaling); its value stays on the device until the step's one read."""
         vn, size = self.slices[position].vn, self.slices[position].size
         parsed = losses.parse(out, vn)
         if self.kind is None:
@@ -818,56 +1018,85 @@ class _StepRun:
         elif parsed.kind != self.kind:
             losses.check_same_kind(parsed.kind, self.kind, vn, self.slices[0].vn)
         weight = size / self.total if parsed.kind == "mean" else 1.0
-        value = float(parsed.loss.detach())
-        self.vn_losses[vn] = value * weight if parsed.kind == "mean" else value
-        self.vn_items[vn] = float(parsed.items)
-        return parsed.loss if weight == 1.0 else parsed.loss * weight
+        self.vn_losses.append((vn, parsed.loss.detach(), weight, parsed.items))
+        loss = parsed.loss if weight == 1.0 else parsed.loss * weight
+        return loss if self.scale == 1.0 else loss.float() * self.scale
 
-    def sequential(self, inputs: Any, targets: Any) -> None:
+    def sequential(self, inputs: Any) -> None:
         """S = 1: the replica's VNs one after another (the single-process reference)."""
         ex = self.executor
         assert ex.loss_fn is not None
-        for position, vn_slice in enumerate(self.slices):
-            lo = vn_slice.start - self.slices[0].start
-            hi = lo + vn_slice.size
+        for position in range(len(self.slices)):
+            vn_inputs = _rows(inputs, *self._bounds(position))
             ex.forward_begins(position)
-            with profiled("vflow::forward", self.profiling):
-                output = ex.stage_module(inputs[lo:hi])
+            with profiled("vflow::forward", self.profiling), ex.autocast():
+                output = ex.stage_module(
+                    *vn_inputs if isinstance(vn_inputs, tuple) else (vn_inputs,)
+                )
             ex.forward_ends(position)
             self.loss_position = None
-            loss = self.weighted_loss(position, ex.loss_fn(output, targets[lo:hi]))
+            with ex.autocast():
+                out = ex.loss_fn(output, self.vn_targets(position))
+            loss = self.weighted_loss(position, out)
             with ex.backward(position), profiled("vflow::backward", self.profiling):
                 loss.backward()
 
+    def _losses_row(self, width: int, device: torch.device) -> torch.Tensor:
+        """The VN losses and item counts in their slots of a float64 row on ``device``,
+        built with tensor operations (no host synchronisation on an accelerator); the
+        products are the float64 ones of ``n_i / B * loss_i``, the same bits on any grid."""
+        virtual_nodes = self.executor.virtual_nodes
+        host = [0.0] * width
+        if self.kind is not None:
+            host[2 * virtual_nodes + (0 if self.kind == "mean" else 1)] = len(self.vn_losses)
+        previous = self.executor._previous
+        if previous is not None:
+            assert self._layout is not None
+            self._layout.encode(host, 2 * virtual_nodes + 2, previous)
+        row = torch.tensor(host, dtype=torch.float64, device=device)
+        if self.vn_losses:
+            vns, values, weights, items = zip(*self.vn_losses, strict=True)
+            source = values[0].device
+            weighted = torch.stack([v.double() for v in values]) * torch.tensor(
+                weights, dtype=torch.float64, device=source
+            )
+            counts = torch.stack(
+                [torch.as_tensor(n, dtype=torch.float64).to(source) for n in items]
+            )
+            index = torch.tensor(vns, device=device)
+            row[index] = weighted.to(device)
+            row[virtual_nodes + index] = counts.to(device)
+        return row
+
     def reduce(self) -> None:
         """Every VN's loss to every process, the global normalisation, the inf/NaN
-        verdict of all stages (Note [The last stage does not wait])."""
+        verdict of all stages and the global gradient norm (Note [The last stage does
+        not wait], Note [One norm for the grid])."""
         ex = self.executor
         virtual_nodes = ex.virtual_nodes
-        layout = _ProfileLayout(virtual_nodes, ex.grid)
-        row = torch.zeros(2 * virtual_nodes + 2 + layout.size, dtype=torch.float64)
-        for vn, value in self.vn_losses.items():
-            row[vn] = value
-            row[virtual_nodes + vn] = self.vn_items[vn]
-        if self.kind is not None:
-            row[2 * virtual_nodes + (0 if self.kind == "mean" else 1)] = len(self.vn_losses)
-        if ex._previous is not None:
-            layout.encode(row[2 * virtual_nodes + 2 :], ex._previous)
-        self._row, self._layout = row, layout
+        world = ex._grid_world()
+        self._layout = _ProfileLayout(virtual_nodes, ex.grid)
+        row = self._losses_row(2 * virtual_nodes + 2 + self._layout.size, world.device)
+        self._row = row
         check = ex.config.skip_nonfinite or bool(ex.deterministic)
-        if ex.grid.is_last and self.kind == "mean" and not check and ex.grid.size > 1:
-            self._pending = torch.distributed.all_reduce(row, group=ex.grid.group, async_op=True)
+        clip = ex.config.max_grad_norm
+        if (
+            ex.grid.is_last
+            and self.kind == "mean"
+            and not check
+            and clip is None
+            and world.distributed
+        ):
+            self._pending = world.start_sum(row, "all-reduce of the VN losses", ex.step_count)
             ex._grads.finish(1.0, False)
             return
         waited = time.perf_counter()
-        ex._grid_world().sum([row], "all-reduce of the VN losses", ex.step_count)
+        world.sum([row], "all-reduce of the VN losses", ex.step_count)
         self.wait_s = time.perf_counter() - waited
-        factor = self._read_losses()
+        factor = self._read_losses() / self.scale
         found = ex._grads.finish(factor, check)
-        if check and ex.grid.size > 1:
-            flag = torch.tensor([float(found)], dtype=torch.float64)
-            ex._grid_world().sum([flag], "all-reduce of the inf/NaN verdict", ex.step_count)
-            found = bool(flag.item())
+        if clip is not None or (check and world.distributed):
+            found = self._verdict_and_norm(world, found, check)
         if found and bool(ex.deterministic) and not ex.config.skip_nonfinite:
             raise FloatingPointError(
                 f"vflow step {ex.step_count}: a gradient of the global batch is inf or NaN, "
@@ -876,37 +1105,72 @@ class _StepRun:
             )
         self.skipped = found
 
-    def settle(self) -> None:
+    def _verdict_and_norm(self, world: World, found: bool, check: bool) -> bool:
+        """One all-reduce over the grid: whether any stage's gradient is inf/NaN and,
+        with ``max_grad_norm``, every parameter's norm in its slot (Note [One norm for
+        the grid]); clips ``param.grad`` when the step goes on."""
+        ex = self.executor
+        clip = ex.config.max_grad_norm
+        row = torch.zeros(1 + ex._norm_width, dtype=torch.float64, device=world.device)
+        row[0] = float(found and check)
+        if clip is not None:
+            ex._grads.publish()
+            self.published = True
+            if ex.grid.replica == 0:  # the replicas hold the same gradient: counted once
+                grads = [p.grad for p in ex._params]
+                norms = torch.stack(
+                    [
+                        torch.linalg.vector_norm(
+                            g, dtype=torch.promote_types(g.dtype, torch.float32)
+                        ).double()
+                        for g in grads
+                    ]
+                )
+                index = torch.tensor(ex._norm_slots, device=world.device) + 1
+                row[index] = norms.to(world.device)
+        world.sum([row], "all-reduce of the inf/NaN verdict and the gradient norms", ex.step_count)
+        values = row.tolist()
+        found = values[0] > 0
+        if clip is None or found:
+            return found
+        squares = 0.0
+        for value in values[1:]:  # the unsplit model's order: the same bits on any grid
+            squares += value * value
+        self.grad_norm = math.sqrt(squares)
+        coefficient = clip / (self.grad_norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s
+        if coefficient < 1.0:
+            for p in ex._params:
+                p.grad.mul_(coefficient)  # type: ignore[union-attr]
+        return False
+
+    def before_optimizer(self) -> None:
+        """Clipping ran in ``reduce`` (Note [One norm for the grid])."""
+
+    def after_optimizer(self) -> None:
         """After the optimizer step: the losses' all-reduce the last stage did not wait
         for (Note [The last stage does not wait])."""
         if self._pending is None:
             return
-        ex, pending, self._pending = self.executor, self._pending, None
+        pending, self._pending = self._pending, None
         waited = time.perf_counter()
-        try:
-            pending.wait(ex.config.timeout)
-        except RuntimeError as e:
-            raise CollectiveError(
-                f"vflow step {ex.step_count}: all-reduce of the VN losses on "
-                f"{ex._grid_world().description} failed after the optimizer step: {e}"
-            ) from e
+        pending.wait()
         self.wait_s = time.perf_counter() - waited
         self._read_losses()
 
     def _read_losses(self) -> float:
-        """The global loss and item count from the reduced row; returns the factor the
-        gradients are normalised by."""
+        """The global loss and item count from the reduced row (the step's one read of
+        the losses); returns the factor the gradients are normalised by."""
         ex, row, virtual_nodes = self.executor, self._row, self.executor.virtual_nodes
+        values = row.tolist()
         if ex._previous is not None:
             assert self._layout is not None
-            self.gathered_profile = self._layout.decode(row[2 * virtual_nodes + 2 :], ex._previous)
-        means, sums = int(row[2 * virtual_nodes]), int(row[2 * virtual_nodes + 1])
+            self.gathered_profile = self._layout.decode(values, 2 * virtual_nodes + 2, ex._previous)
+        means, sums = int(values[2 * virtual_nodes]), int(values[2 * virtual_nodes + 1])
         if means and sums:
             raise ValueError(
                 f"loss_fn returned mean losses for {means} VNs and (sum, num_items) for "
                 f"{sums}; every VN must return the same kind"
             )
-        values = row.tolist()
         loss_total = sum(values[:virtual_nodes])  # VN order: the same bits on any grid
         if sums:
             items_total = sum(values[virtual_nodes : 2 * virtual_nodes])
@@ -918,10 +1182,13 @@ class _StepRun:
         self.loss = loss_total
         return 1.0
 
-    def result(self, start: float, after_vns: float, after_reduce: float, end: float) -> StepResult:
-        ex = self.executor
+    def result(
+        self, start: Any, after_vns: Any, after_reduce: Any, end: Any, loss_scale: float | None
+    ) -> StepResult:
+        """Once the step is committed and ``clock.finish(end)`` ran."""
+        ex, seconds = self.executor, self.clock.seconds
         vns = tuple(
-            VNProfile(s.vn, s.size, t[1] - t[0], t[3] - t[2])
+            VNProfile(s.vn, s.size, seconds(t[0], t[1]), seconds(t[2], t[3]))
             for s, t in zip(self.slices, self.times, strict=True)
         )
         wait = self.wait_s + ex._grads.last_wait_seconds
@@ -931,23 +1198,48 @@ class _StepRun:
             vns,
             sum(v.forward_s + v.backward_s for v in vns),
             wait,
-            end - after_reduce,
-            end - start,
+            seconds(after_reduce, end),
+            seconds(start, end),
         )
         timings = PhaseTimings(
-            after_vns - start, after_reduce - after_vns, end - after_reduce, wait
+            seconds(start, after_vns),
+            seconds(after_vns, after_reduce),
+            seconds(after_reduce, end),
+            wait,
         )
         return StepResult(
             self.loss,
             self.num_items,
             ex.step_count,
             self.skipped,
-            None,
-            None,
+            loss_scale,
+            self.grad_norm,
             timings,
             lambda: profile,
         )
 
+
+# Note [Mixed precision on a grid]
+# With amp, every segment's forward and loss_fn run under autocast, on every stage,
+# shape inference included (VNStage), and backwards outside it: the same operations in
+# the same dtypes as in the single-process reference, so an activation crosses stages in
+# the dtype autocast gave it and the bits do not depend on the cut. fp16 loss scaling is
+# the step's, not a stage's: the last stage multiplies each VN's loss by the scale
+# before its backward, every stage divides its reduced gradient by it with the global
+# normalisation, and one inf/NaN verdict, summed over the whole grid with the gradient
+# norms (Note [One norm for the grid]), decides whether the step is skipped; each
+# process then moves its LossScaler alike, so the scale stays one number for the grid.
+
+# Note [One norm for the grid]
+# max_grad_norm clips the gradient of the whole model, whose parameters are spread over
+# the stages. After the reduction each process takes the 2-norm of each of its
+# parameters' gradients (in at least float32) and writes it, as float64, into the slot
+# of that parameter in the unsplit model's parameter order, in a row that one
+# all-reduce sums over the grid (only replica 0 writes: the replicas of a stage hold the
+# same gradient). Every slot has one writer, so the sum is exact; every process then
+# adds the squares in slot order, in float64 on the host, and takes the square root:
+# the same norm, to the bit, on every process and on every grid, one process included.
+# The coefficient is torch.nn.utils.clip_grad_norm_'s, applied to ``param.grad``.
 
 # Note [The last stage does not wait]
 # The last stage ends its schedule a backward or two before the first, and the first
@@ -999,16 +1291,18 @@ class _ProfileLayout:
         self.per_vn = virtual_nodes * grid.stages
         self.size = 2 * self.per_vn + 2 * grid.size
 
-    def encode(self, row: torch.Tensor, previous: _PreviousStep) -> None:
+    def encode(self, row: list[float], at: int, previous: _PreviousStep) -> None:
+        """Writes ``previous`` into ``row`` from index ``at`` (host values: no tensor
+        element writes, each a device operation on an accelerator)."""
         stage, stages = self.grid.stage, self.grid.stages
         for vn in previous.profile.vns:
-            row[vn.vn * stages + stage] = vn.forward_s
-            row[self.per_vn + vn.vn * stages + stage] = vn.backward_s
-        row[2 * self.per_vn + self.grid.rank] = previous.profile.step_s
-        row[2 * self.per_vn + self.grid.size + self.grid.rank] = previous.exposed_s
+            row[at + vn.vn * stages + stage] = vn.forward_s
+            row[at + self.per_vn + vn.vn * stages + stage] = vn.backward_s
+        row[at + 2 * self.per_vn + self.grid.rank] = previous.profile.step_s
+        row[at + 2 * self.per_vn + self.grid.size + self.grid.rank] = previous.exposed_s
 
-    def decode(self, row: torch.Tensor, previous: _PreviousStep) -> StepProfile:
-        values, stages = row.tolist(), self.grid.stages
+    def decode(self, summed: list[float], at: int, previous: _PreviousStep) -> StepProfile:
+        values, stages = summed[at:], self.grid.stages
         sizes = previous.plan.vn_sizes(previous.batch_size)
         replicas = []
         for replica in range(self.grid.replicas):
@@ -1062,3 +1356,107 @@ def _together(grid: ProcessGrid, config: ExecutorConfig, check: Callable[[], Any
             "(their own errors say why); nothing was changed"
         )
     return result
+
+
+# Note [Inference on a grid]
+# ``infer`` runs the forward only, VN by VN, on the processes that hold the stages:
+# with S > 1 as the microbatches of a forward-only schedule (GPipe's order, no loss;
+# a stage of its own, since shape inference differs when no backward follows), with
+# S = 1 one after another. Each segment draws from its VN's stream of the current step
+# (Note [Segment streams]), as in training, so the outputs are the same bits on every
+# grid and in one process. Only a replica's last stage holds outputs: the last stages
+# gather them over their replica group (whose ranks are the replicas, the plan's
+# workers), so every one returns the whole batch's outputs in batch order; the other
+# stages return None, since nothing they hold needs the outputs. Nothing of the
+# training state changes: no gradient, no buffer rule, no step.
+
+# Note [A failure inside a schedule]
+# A stage whose forward, loss or backward raises leaves the schedule there; the other
+# stages of its replica wait for what it would have sent until the stage group's
+# timeout (ProcessGrid.of's ``timeout``, the executor's when it builds the grid), then
+# Gloo raises a RuntimeError of its own. Such errors, the ones that come from the
+# network rather than from the stage's own code, become CollectiveError naming the
+# step and the group, like every other failed collective of vflow, so that a caller
+# (an elastic job) can tell a lost peer from a bug; the process whose own code raised
+# raises its own error. Either way nothing was committed: the step's failure path
+# restores the stage. The stage group's messages of the failed step may still be in
+# flight: the grid is not used again (a job moves to a new one).
+
+
+def _from_the_network(error: BaseException) -> bool:
+    """Whether a RuntimeError raised by a schedule came from the process group (a peer
+    gone, a wait timed out) rather than from this stage's own code, which the
+    schedule re-raises as a RuntimeError with the original as its cause."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if not isinstance(seen, RuntimeError):
+            return False  # the stage's own code: its error, wrapped
+        if isinstance(seen, torch.distributed.DistError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    text = str(error).lower()
+    return any(
+        word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout", "peer")
+    )
+
+
+def _check_autocast(device: torch.device, dtype: torch.dtype, amp: str | None) -> None:
+    """Refuses ``amp`` on a device whose autocast does not run ``dtype`` (autocast would
+    otherwise warn and run in float32)."""
+    if not torch.amp.is_autocast_available(device.type):
+        raise ValueError(f"amp={amp!r}: autocast is not available on {device.type}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autocast(device.type, dtype=dtype):
+            supported = torch.is_autocast_enabled(device.type)
+    if not supported or (
+        device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported()
+    ):
+        raise ValueError(
+            f"amp={amp!r}: {device} does not run autocast in {dtype}; use another amp or None"
+        )
+
+
+# Note [Data per replica]
+# A replica runs the VNs the plan gives it, consecutive in the global batch: samples
+# [start, stop) = plan.worker_range(replica, B). Only its first stage reads inputs and
+# only its last stage reads targets, so a data loader need not give any process the
+# whole global batch: with ``global_batch_size=B`` the first stage may be given its
+# replica's share of the inputs, the last stage its share of the targets, the middle
+# stages nothing. The whole batch is still taken (and sliced here), which keeps a
+# single-process loop unchanged.
+
+
+def _samples(value: Any, name: str) -> int:
+    """The samples along dim 0 of a tensor or of a tuple of tensors (which must agree)."""
+    parts = value if isinstance(value, (tuple, list)) else (value,)
+    if not parts or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in parts):
+        raise TypeError(
+            f"{name} must be a tensor or a tuple of tensors with samples along dim 0, got "
+            f"{type(value).__name__}"
+        )
+    counts = {t.shape[0] for t in parts}
+    if len(counts) > 1:
+        raise ValueError(f"the tensors of {name} disagree on the samples along dim 0: {counts}")
+    return parts[0].shape[0]
+
+
+def _share(value: Any, name: str, batch_size: int, start: int, stop: int) -> Any:
+    """This replica's samples [start, stop) of ``value``, given the whole batch or the
+    share itself (Note [Data per replica])."""
+    count = _samples(value, name)
+    if count == stop - start:
+        return tuple(value) if isinstance(value, list) else value
+    if count != batch_size:
+        raise ValueError(
+            f"{name} has {count} samples: neither the global batch ({batch_size}) nor this "
+            f"replica's share of it, samples [{start}, {stop})"
+        )
+    return _rows(value, start, stop)
+
+
+def _rows(value: Any, start: int, stop: int) -> Any:
+    """Samples [start, stop) of a tensor or of each tensor of a tuple."""
+    if isinstance(value, (tuple, list)):
+        return tuple(t[start:stop] for t in value)
+    return value[start:stop]

@@ -10,7 +10,7 @@ reduction of that stage's gradients, the joining of a newcomer's stage). With S 
 there is no stage group, with R = 1 no replica group.
 
 torch.distributed.pipelining addresses its peers by their global ranks, so the
-subgroups are made with ``dist.new_group``, a collective of the whole default group:
+subgroups are made with ``new_group`` (vflow.world.group), a collective of the whole default group:
 every process of the job builds every grid, including one it is not part of
 (``member`` is then False), in the same order. ``ProcessGrid.of`` does that.
 """
@@ -21,6 +21,8 @@ import datetime
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
+from vflow.world.group import new_group
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ class ProcessGrid:
         )
 
 
-def _group(ranks: list[int], timeout: datetime.timedelta | None) -> dist.ProcessGroup | None:
+def _group(ranks: list[int], timeout: datetime.timedelta | None) -> dist.ProcessGroup:
     # A group of its own even for the whole default group: its timeout bounds the
     # pipeline's sends and receives, which wait on the group's.
-    return dist.new_group(ranks, timeout=timeout)
+    return new_group(ranks, timeout)

@@ -2,8 +2,12 @@
 
 Note [Segments and stages]
 A pipelined model is a ``torch.nn.Sequential`` whose children are its *segments*: the
-finest cut there is, each taking the previous one's output (one tensor) and returning
-one. A stage is a run of consecutive segments; ``split`` names the children where
+finest cut there is, each taking the previous one's output. A segment may take and
+return several tensors (hidden states and an attention mask): a segment that returns a
+tuple passes its elements as the next segment's positional arguments, and the first
+segment takes the step's inputs (a tensor, or a tuple of them) the same way
+(``Segments``, the chain every stage runs, in one process as across processes). A
+stage is a run of consecutive segments; ``split`` names the children where
 stages 1, 2, ... begin (``SplitPoint.BEGINNING`` in torch.distributed.pipelining's
 terms), or, when None, the segments are dealt out as evenly as their count allows. A
 segment is also the unit of randomness (Note [Segment streams]): cutting the model
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
@@ -69,6 +74,18 @@ class Pipeline:
                 f"replica; the plan gives {list(counts)}. Give each replica more VNs, or use "
                 'schedule="GPipe"'
             )
+
+
+class Segments(torch.nn.Sequential):
+    """Consecutive segments run as one chain (Note [Segments and stages]): a tuple
+    between two segments is the next one's positional arguments. With one tensor
+    between every two, exactly ``torch.nn.Sequential``."""
+
+    def forward(self, *args: Any) -> Any:
+        out: Any = args
+        for module in self:
+            out = module(*out) if isinstance(out, tuple) else module(out)
+        return out
 
 
 def segments(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

@@ -14,7 +14,9 @@ whole global batch.
 Dynamic shape inference (the first step of a schedule) runs the stage's modules once
 on placeholder tensors, outside any VN. ``_compute_outputs``, its only call into the
 modules, keeps their buffers (BatchNorm statistics) as they were, and the loss it
-computes on the last stage is not one of the step's.
+computes on the last stage is not one of the step's. Forwards run under the step's
+autocast (Note [Mixed precision on a grid], vflow/pipeline/executor.py); backwards run
+outside it, as autocast wants.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class StageListener(Protocol):
     def forward_ends(self, microbatch: int) -> None: ...
 
     def backward(self, microbatch: int) -> contextlib.AbstractContextManager[None]: ...
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]: ...
 
 
 class VNStage(PipelineStage):
@@ -63,7 +67,10 @@ class VNStage(PipelineStage):
         save_forward_output: bool = True,
     ) -> Any:
         self._listener.forward_begins(fwd_chunk_id)
-        with profiled("vflow::forward", torch.autograd._profiler_enabled()):
+        with (
+            profiled("vflow::forward", torch.autograd._profiler_enabled()),
+            self._listener.autocast(),
+        ):
             output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         self._listener.forward_ends(fwd_chunk_id)
         return output
@@ -75,6 +82,8 @@ class VNStage(PipelineStage):
         full_backward: bool = True,
         last_backward: bool = False,
     ) -> None:
+        if not self.has_backward:  # a forward-only schedule (inference): nothing to capture
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
         with (
             self._listener.backward(bwd_chunk_id),
             profiled("vflow::backward", torch.autograd._profiler_enabled()),
@@ -82,7 +91,9 @@ class VNStage(PipelineStage):
             super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
 
     def _compute_outputs(self, *args: torch.Tensor, module: torch.nn.Module, **kwargs: Any) -> Any:
-        with _buffers_kept(module):
+        # Under the step's autocast, so that the shapes and dtypes inferred are those the
+        # microbatches send (a bf16 activation travels as bf16).
+        with _buffers_kept(module), self._listener.autocast():
             return super()._compute_outputs(*args, module=module, **kwargs)
 
 

@@ -12,6 +12,13 @@ takes the entries of its own stage (``stage_state``), whatever cut and replica c
 wrote it, and so does ``stages=1`` on one process. The stages' parts travel as raw
 tensor bytes (Note [Sending the training state], vflow/world/membership.py), so the
 gathered state holds the same bits as the stages.
+
+Gathered, the state costs every process the memory of the whole model: checkpoints do
+not gather it. ``vflow.pipeline.save`` writes each stage's part (``stage_part``) from
+the processes that hold it, under these names flattened into keys no two stages share,
+and ``vflow.pipeline.load`` reads back a state of this layout holding only the loading
+process's stage, which ``stage_state`` takes as it takes a whole one (Note
+[Checkpoints per stage], vflow/pipeline/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ FORMAT = "vflow.pipeline"
 VERSION = 1
 
 
-def _parameter_names(stage_module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+def parameter_names(stage_module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """The names of the optimizer's parameters in its state-dict index order."""
     names = {id(p): name for name, p in stage_module.named_parameters()}
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
@@ -44,10 +51,12 @@ def stage_part(
     optimizer: torch.optim.Optimizer,
     stage: int,
     registered: RegisteredState,
+    loss_scaler: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One stage's model and optimizer state, keyed by parameter names, and its
-    registered objects' states."""
-    names = _parameter_names(stage_module, optimizer)
+    """One stage's model and optimizer state, keyed by parameter names, its
+    registered objects' states and its loss scaler's (alike on every stage: one
+    verdict per step for the whole grid)."""
+    names = parameter_names(stage_module, optimizer)
     saved = optimizer.state_dict()
     return {
         "stage": stage,
@@ -61,6 +70,7 @@ def stage_part(
             for group in saved["param_groups"]
         ],
         "registered": registered.state_dict(),
+        "loss_scaler": loss_scaler,
     }
 
 
@@ -120,6 +130,7 @@ def assemble(
         # The registered objects are alike on every stage (PipelineExecutor.register_state):
         # stage 0's stand for all, whatever cut loads them.
         "registered": min(parts, key=lambda p: p["stage"])["registered"],
+        "loss_scaler": min(parts, key=lambda p: p["stage"]).get("loss_scaler"),
         "written_by": written_by,
     }
 
@@ -173,7 +184,7 @@ def stage_state(
             f"state['model'] lacks this stage's entries {absent[:8]}: the checkpoint must come "
             "from the same model (the same segments under the same names)"
         )
-    names = _parameter_names(stage_module, optimizer)
+    names = parameter_names(stage_module, optimizer)
     group_of: dict[str, dict[str, Any]] = {}
     for group in saved_optimizer["param_groups"]:
         for name in group.get("params", []):
@@ -210,4 +221,5 @@ def stage_state(
         "optimizer": {"state": optimizer_state, "param_groups": param_groups},
         "optimizer_class": state["optimizer_class"],
         "registered": state.get("registered", {}),
+        "loss_scaler": state.get("loss_scaler"),
     }

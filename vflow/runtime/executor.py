@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -55,7 +54,8 @@ from vflow.runtime.module_buffers import BufferRule
 from vflow.runtime.reduction import for_kind
 from vflow.runtime.registered_state import registered_from
 from vflow.runtime.results import StepResult
-from vflow.runtime.step_run import StepInputs, StepRun, profiled
+from vflow.runtime.step_cycle import StepParts, run_step
+from vflow.runtime.step_run import StepInputs, StepRun
 from vflow.runtime.step_stats import GlobalStats, StatsLayout
 from vflow.world import membership
 from vflow.world.group import (
@@ -91,9 +91,6 @@ class _PendingPlan:
     plan: Plan
     prepared: object  # reduction.prepare_world(plan, rank)
     reset_auto: bool  # set_plan's change: the automatic plan starts over under it
-
-
-_log = logging.getLogger("vflow")
 
 
 class Executor:
@@ -661,37 +658,25 @@ class Executor:
             self._params,
         )
         run = StepRun(inputs, slices, total, clock)
-        if buffers is not None:
-            buffers.begin_step()
-        try:
-            with profiled("vflow::step", run.profiling), rng.preserved_rng(self._generators):
-                run.vns(self._vn_batches(batch, slices), self._autocast)
-                run.reduce()
-                if self._world.distributed and buffers is not None:
-                    buffers.reduce(self._world, self.virtual_nodes, self.step_count)
-            if run.skipped:
-                self._grads.clear()
-                self.skipped_steps += 1
-                _log.warning(
-                    "vflow step %d: inf/NaN in the gradients, optimizer step skipped%s",
-                    self.step_count,
-                    "" if self.scaler is None else f" (loss scale {self.scaler.scale:g})",
-                )
-            else:
-                self._grads.publish()
-                run.before_optimizer()
-                with profiled("vflow::optimizer", run.profiling):
-                    self.optimizer.step()
-        except BaseException:
-            if buffers is not None:
-                buffers.abort()
-            self._grads.clear()
-            raise
-        if buffers is not None:
-            buffers.commit()
-        scale = None if self.scaler is None else self.scaler.scale
-        if self.scaler is not None:
-            self.scaler.update(run.skipped)
+
+        def compute() -> None:
+            run.vns(self._vn_batches(batch, slices), self._autocast)
+            run.reduce()
+            if self._world.distributed and buffers is not None:
+                buffers.reduce(self._world, self.virtual_nodes, self.step_count)
+
+        parts = StepParts(
+            self._grads,
+            self.optimizer,
+            self.scaler,
+            buffers,
+            self._generators,
+            self.step_count,
+            "vflow::step",
+        )
+        scale = run_step(parts, run, compute)
+        if run.skipped:
+            self.skipped_steps += 1
         end = clock.mark()
         clock.finish(end)
         result = run.result(start, end, scale)

@@ -128,6 +128,7 @@ class StepRun:
         self.loss = math.nan
         self.num_items: int | float = 0
         self.skipped = False
+        self.published = False  # param.grad is published by the step's cycle
         self.grad_norm: float | None = None
         self.stats_wait = 0.0
         self.gathered: GlobalStats | None = None  # the step's, on several workers
@@ -264,6 +265,10 @@ class StepRun:
         if inputs.max_grad_norm is not None:
             self.grad_norm = clip_grads_([p.grad for p in inputs.params], inputs.max_grad_norm)
         self.after_reduce = self.clock.mark()
+
+    def after_optimizer(self) -> None:
+        """Nothing of this step runs past the optimizer step (Note [A step's life
+        cycle], vflow/runtime/step_cycle.py)."""
 
     def result(self, start: int, end: int, loss_scale: float | None) -> StepResult:
         inputs, seconds = self.inputs, self.clock.seconds

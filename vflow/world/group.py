@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,14 @@ def resolve_group(process_group: object) -> dist.ProcessGroup | None:
             f"or dist.new_group(...)) or None, got {type(process_group).__name__}"
         )
     return process_group
+
+
+def new_group(ranks: Sequence[int], timeout: datetime.timedelta | None) -> dist.ProcessGroup:
+    """A group of the default group's ``ranks``, with its own ``timeout`` (which bounds
+    every wait on it, a pipeline's sends and receives included). A collective of the
+    whole default group: every process calls it with the same arguments, in the same
+    order as every other ``new_group``, members or not."""
+    return dist.new_group(list(ranks), timeout=timeout)
 
 
 def backend_name(group: dist.ProcessGroup) -> str:
@@ -303,6 +312,26 @@ class World:
             step,
         )
 
+    def start_sum(self, tensor: torch.Tensor, what: str, step: int | None) -> PendingSum:
+        """Starts summing ``tensor`` over the ranks, in place, and returns at once;
+        ``wait()`` on the result ends it. For a contiguous tensor on ``device`` that
+        nothing reads or writes until then (as ``broadcast_own``'s). Alone: done."""
+        if not self.distributed:
+            return PendingSum(None, self, what, step)
+        self._check_own(tensor)
+        assert self.group is not None  # distributed
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.SUM
+        options.timeout = self.timeout
+        work = None
+
+        def collective() -> None:
+            nonlocal work
+            work = self.group.allreduce([tensor], options)  # type: ignore[union-attr]
+
+        self._run(collective, what, step)
+        return PendingSum(work, self, what, step)
+
     def _coalesced(
         self,
         tensors: Sequence[torch.Tensor],
@@ -331,6 +360,19 @@ class World:
         )
         parts = [part[:n] for part, n in zip(gathered, counts, strict=True)]
         return torch.cat(parts).to(local.device)
+
+
+class PendingSum:
+    """A sum ``World.start_sum`` started: ``wait()`` ends it within the world's timeout,
+    or raises CollectiveError saying what it was."""
+
+    def __init__(self, work: Any, world: World, what: str, step: int | None) -> None:
+        self._work, self._world, self._what, self._step = work, world, what, step
+
+    def wait(self) -> None:
+        work, self._work = self._work, None
+        if work is not None:
+            self._world._run(lambda: work.wait(self._world.timeout), self._what, self._step)
 
 
 def fingerprint(text: str) -> int:
