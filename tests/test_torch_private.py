@@ -157,6 +157,7 @@ VFLOW_OWN = {
     "_norm_slots": "PipelineExecutor's parameter slots, read by its step runner (clipping)",
     "_norm_width": "PipelineExecutor's parameter count, read by its step runner (clipping)",
     "_params": "PipelineExecutor's trainable parameters, read by its step runner (clipping)",
+    "_pre_step_hooks": "PipelineExecutor's pre-step hooks, called by its step runner",
     "_run": "World's collective runner, used by the sum World.start_sum started",
     "_grid_world": "PipelineExecutor's grid, read by its step runner",
     "_previous": "PipelineExecutor's previous step, read by its step runner",

@@ -183,6 +183,44 @@ def test_max_grad_norm_clips_the_global_batchs_gradient_as_clip_grad_norm_does()
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
 
 
+def test_pre_step_hooks_run_before_clipping_and_may_not_replace_a_gradient() -> None:
+    x, y = _batch()
+
+    def doubled_then_clipped(m: nn.Module) -> torch.Tensor:
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        for p in m.parameters():
+            p.grad.mul_(2.0)  # type: ignore[union-attr]
+        doubled_then_clipped.norm = float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05))
+        return loss.detach().requires_grad_()
+
+    want = _expected_step(doubled_then_clipped)
+    with _executor(_model(), max_grad_norm=0.05) as ex:
+        handle = ex.register_pre_step_hook(
+            lambda e: [p.grad.mul_(2.0) for p in e.stage_module.parameters()]
+        )
+        result = ex.step(x, y)
+        got = ex.stage_module.state_dict()
+        # The norm is the hooked gradient's: the hook ran before clipping.
+        assert result.grad_norm == pytest.approx(doubled_then_clipped.norm, rel=1e-5)
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+        handle.remove()
+
+        def replacing(e: vflow.PipelineExecutor) -> None:
+            first = next(e.stage_module.parameters())
+            first.grad = torch.zeros_like(first)
+
+        ex.register_pre_step_hook(replacing)
+        before = copy.deepcopy(ex.stage_module.state_dict())
+        with pytest.raises(RuntimeError, match="a pre-step hook replaced param.grad"):
+            ex.step(x, y)
+        after = ex.stage_module.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before) and ex.step_count == 1
+        with pytest.raises(TypeError, match="fn must be callable"):
+            ex.register_pre_step_hook(3)  # type: ignore[arg-type]
+
+
 def test_amp_runs_the_forwards_and_the_loss_under_autocast() -> None:
     x, y = _batch()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):

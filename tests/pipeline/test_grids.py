@@ -68,7 +68,8 @@ def _summed_ce(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor
 
 
 def _executor(grid: ProcessGrid | None, stages: int = 1, **kwargs: Any) -> vflow.PipelineExecutor:
-    return vflow.PipelineExecutor(
+    hook = kwargs.pop("pre_step_hook", None)
+    ex = vflow.PipelineExecutor(
         _model(kwargs.pop("model_seed", 0)).to(kwargs.pop("dtype", torch.float32)),
         lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
         kwargs.pop("loss_fn", _mean_ce),
@@ -80,6 +81,16 @@ def _executor(grid: ProcessGrid | None, stages: int = 1, **kwargs: Any) -> vflow
         timeout=kwargs.pop("timeout", 60),
         **kwargs,
     )
+    if hook is not None:
+        ex.register_pre_step_hook(hook)
+    return ex
+
+
+def _amplify_the_embedding(ex: vflow.PipelineExecutor) -> None:
+    """A pre-step hook that changes one stage's gradient (on the stage holding it)."""
+    for name, p in ex.stage_module.named_parameters():
+        if name.startswith("embed."):
+            p.grad.mul_(3.0)  # type: ignore[union-attr]
 
 
 def _train(ex: vflow.PipelineExecutor, steps: range, shares: bool = False) -> list[float]:
@@ -194,6 +205,11 @@ def _fixed_grids(rank: int, world_size: int) -> dict[str, Any]:
 # Executor features on grids, each against the same settings on one process.
 _FEATURES: dict[str, dict[str, Any]] = {
     "2x2 max_grad_norm": {"max_grad_norm": 0.3},
+    # The hook runs before clipping: the grid's norm is of the amplified gradient.
+    "2x2 pre-step hook, max_grad_norm": {
+        "max_grad_norm": 0.3,
+        "pre_step_hook": _amplify_the_embedding,
+    },
     "2x2 amp bf16": {"amp": "bf16"},
     # A scale that overflows fp16 at first: the grid skips steps as one, backing off.
     "2x2 amp fp16": {"amp": "fp16", "loss_scale": vflow.LossScaler(2.0**40, growth_interval=1)},

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from vflow.mapping import rng
 from vflow.mapping.batching import concat_outputs
@@ -58,6 +59,7 @@ from vflow.runtime.clock import StepClock
 from vflow.runtime.config import ExecutorConfig
 from vflow.runtime.grad_store import GradStore, refuse_compiled_autograd, trainable_params
 from vflow.runtime.module_buffers import BufferRule
+from vflow.runtime.pre_step_hooks import PreStepHooks
 from vflow.runtime.reduction import Reduction, for_kind
 from vflow.runtime.registered_state import RegisteredState, registered_from
 from vflow.runtime.results import PhaseTimings, StepResult
@@ -209,6 +211,7 @@ class PipelineExecutor:
         self.step_count = 0
         self.skipped_steps = 0
         self._registered = RegisteredState()
+        self._pre_step_hooks = PreStepHooks()
         self._bounds = bounds
         self._segment_names = [name for name, _ in named_segments]
         self._params = params
@@ -454,6 +457,17 @@ class PipelineExecutor:
         self._grads.reduction.apply_world(prepared)
         self._plan = plan
         self._restart_auto()
+
+    def register_pre_step_hook(self, fn: Callable[[PipelineExecutor], None]) -> RemovableHandle:
+        """As ``vflow.Executor.register_pre_step_hook``: ``fn(executor)`` runs on every
+        process in every step that steps the optimizer, after the grid's inf/NaN verdict
+        and before ``max_grad_norm`` clipping, with this stage's ``param.grad`` the
+        reduced gradient the optimizer will use. Register the same hooks on every
+        process. Returns a handle whose ``remove()`` unregisters ``fn``."""
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        self._check_open()
+        return self._pre_step_hooks.register(fn)
 
     def _restart_auto(self) -> None:
         """Profiles of the new plan or grid from now on."""
@@ -1095,8 +1109,11 @@ class _StepRun:
         self.wait_s = time.perf_counter() - waited
         factor = self._read_losses() / self.scale
         found = ex._grads.finish(factor, check)
-        if clip is not None or (check and world.distributed):
-            found = self._verdict_and_norm(world, found, check)
+        # With pre-step hooks the norm is taken after them (Note [Before the optimizer
+        # step]): here only the verdict.
+        norms = clip is not None and not ex._pre_step_hooks
+        if norms or (check and world.distributed):
+            found = self._verdict_and_norm(world, found, check, norms)
         if found and bool(ex.deterministic) and not ex.config.skip_nonfinite:
             raise FloatingPointError(
                 f"vflow step {ex.step_count}: a gradient of the global batch is inf or NaN, "
@@ -1105,20 +1122,20 @@ class _StepRun:
             )
         self.skipped = found
 
-    def _verdict_and_norm(self, world: World, found: bool, check: bool) -> bool:
+    def _verdict_and_norm(self, world: World, found: bool, check: bool, norms: bool) -> bool:
         """One all-reduce over the grid: whether any stage's gradient is inf/NaN and,
-        with ``max_grad_norm``, every parameter's norm in its slot (Note [One norm for
-        the grid]); clips ``param.grad`` when the step goes on."""
+        with ``norms``, every parameter's norm in its slot (Note [One norm for the
+        grid]), then ``param.grad`` clipped to ``max_grad_norm`` when the step goes on."""
         ex = self.executor
         clip = ex.config.max_grad_norm
         row = torch.zeros(1 + ex._norm_width, dtype=torch.float64, device=world.device)
         row[0] = float(found and check)
-        if clip is not None:
+        if norms:
             ex._grads.publish()
             self.published = True
             if ex.grid.replica == 0:  # the replicas hold the same gradient: counted once
                 grads = [p.grad for p in ex._params]
-                norms = torch.stack(
+                each = torch.stack(
                     [
                         torch.linalg.vector_norm(
                             g, dtype=torch.promote_types(g.dtype, torch.float32)
@@ -1127,11 +1144,11 @@ class _StepRun:
                     ]
                 )
                 index = torch.tensor(ex._norm_slots, device=world.device) + 1
-                row[index] = norms.to(world.device)
+                row[index] = each.to(world.device)
         world.sum([row], "all-reduce of the inf/NaN verdict and the gradient norms", ex.step_count)
         values = row.tolist()
         found = values[0] > 0
-        if clip is None or found:
+        if not norms or clip is None or found:
             return found
         squares = 0.0
         for value in values[1:]:  # the unsplit model's order: the same bits on any grid
@@ -1144,7 +1161,14 @@ class _StepRun:
         return False
 
     def before_optimizer(self) -> None:
-        """Clipping ran in ``reduce`` (Note [One norm for the grid])."""
+        """Note [Before the optimizer step] (vflow/runtime/step_run.py): the pre-step
+        hooks, then clipping by the grid's norm, which without hooks ran in ``reduce``."""
+        ex = self.executor
+        if not ex._pre_step_hooks:
+            return
+        ex._pre_step_hooks.call(ex, ex._params)
+        if ex.config.max_grad_norm is not None:
+            self._verdict_and_norm(ex._grid_world(), False, False, norms=True)
 
     def after_optimizer(self) -> None:
         """After the optimizer step: the losses' all-reduce the last stage did not wait

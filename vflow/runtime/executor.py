@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -51,6 +50,7 @@ from vflow.runtime.config import Deterministic, ExecutorConfig
 from vflow.runtime.grad_store import GradStore, refuse_compiled_autograd, trainable_params
 from vflow.runtime.inference import ForwardFn
 from vflow.runtime.module_buffers import BufferRule
+from vflow.runtime.pre_step_hooks import PreStepHooks
 from vflow.runtime.reduction import for_kind
 from vflow.runtime.registered_state import registered_from
 from vflow.runtime.results import StepResult
@@ -247,7 +247,7 @@ class Executor:
         self.skipped_steps = 0
         self._registered = registered
         self._signal: int | Callable[[], int] = 0
-        self._pre_step_hooks: OrderedDict[int, Callable[[Executor], None]] = OrderedDict()
+        self._pre_step_hooks = PreStepHooks()
         # Note [Plan changes wait for the data]: changes not yet in force, by first
         # step, and the plan and rank each drawn step's batch was split under.
         self._pending: list[_PendingPlan] = []
@@ -654,7 +654,9 @@ class Executor:
             self.skip_nonfinite,
             self.deterministic,
             self.max_grad_norm,
-            self._call_pre_step_hooks if self._pre_step_hooks else None,
+            (lambda: self._pre_step_hooks.call(self, self._params))
+            if self._pre_step_hooks
+            else None,
             self._params,
         )
         run = StepRun(inputs, slices, total, clock)
@@ -712,24 +714,7 @@ class Executor:
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         self._check_open()
-        handle = RemovableHandle(self._pre_step_hooks)
-        self._pre_step_hooks[handle.id] = fn
-        return handle
-
-    def _call_pre_step_hooks(self) -> None:
-        grads = [p.grad for p in self._params]
-        for fn in list(self._pre_step_hooks.values()):
-            fn(self)
-        replaced = [
-            index for index, (p, g) in enumerate(zip(self._params, grads)) if p.grad is not g
-        ]
-        if replaced:
-            raise RuntimeError(
-                f"a pre-step hook replaced param.grad of {len(replaced)} trainable "
-                f"parameter(s) (the first of shape {tuple(self._params[replaced[0]].shape)}); "
-                "change param.grad in place (param.grad.mul_(c), param.grad.copy_(g)) so "
-                "that clipping and the optimizer see the change"
-            )
+        return self._pre_step_hooks.register(fn)
 
     def _check_drawn_plan(self) -> None:
         """Raises, changing nothing, when this step's local batch was drawn under
