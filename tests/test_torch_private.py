@@ -153,6 +153,7 @@ VFLOW_OWN = {
     "_checked_plan": "Executor's static plan check, called from PipelineExecutor",
     "_counts": "vflow.planning.auto_plan's formatting helper",
     "_device": "PipelineExecutor's device, read by its step runner (the step's clock)",
+    "_feed": "PipelineExecutor's first-stage VN inputs, read by its step runner",
     "_grads": "PipelineExecutor's gradient store, read by its step runner",
     "_norm_slots": "PipelineExecutor's parameter slots, read by its step runner (clipping)",
     "_norm_width": "PipelineExecutor's parameter count, read by its step runner (clipping)",

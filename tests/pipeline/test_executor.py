@@ -221,6 +221,39 @@ def test_pre_step_hooks_run_before_clipping_and_may_not_replace_a_gradient() -> 
             ex.register_pre_step_hook(3)  # type: ignore[arg-type]
 
 
+def test_vn_transform_draws_per_vn_alike_with_and_without_prefetch() -> None:
+    x, y = _batch()
+    seen: list[tuple[int, ...]] = []
+
+    def jitter(inputs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        seen.append(tuple(inputs.shape))
+        return inputs + 0.1 * torch.randn(inputs.shape, generator=generator)
+
+    states = []
+    for prefetch in (True, False):
+        with _executor(_model(), _adamw, seed=2, prefetch=prefetch, vn_transform=jitter) as ex:
+            ex.step(x, y)
+            ex.step(x, y)
+            states.append(copy.deepcopy(ex.stage_module.state_dict()))
+    assert seen == [(B // V, 6)] * (4 * V)  # each VN's inputs, once a step
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    with _executor(_model(), _adamw, seed=2) as plain:
+        plain.step(x, y)
+        plain.step(x, y)
+        assert not all(
+            torch.equal(states[0][k], v) for k, v in plain.stage_module.state_dict().items()
+        )
+
+    def dropping(inputs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return inputs[1:]
+
+    with _executor(_model(), vn_transform=dropping) as ex:
+        before = copy.deepcopy(ex.stage_module.state_dict())
+        with pytest.raises(ValueError, match="it must keep the number of samples"):
+            ex.step(x, y)
+        _unchanged(ex, before)
+
+
 def test_amp_runs_the_forwards_and_the_loss_under_autocast() -> None:
     x, y = _batch()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -278,6 +311,7 @@ def test_infer_returns_the_models_outputs_in_batch_order_and_changes_nothing() -
         ({"optimizer": torch.optim.SGD}, None, None),
         ({"amp": "fp8"}, ValueError, "amp must be None, 'bf16' or 'fp16', got 'fp8'"),
         ({"max_grad_norm": -1.0}, ValueError, "max_grad_norm must be a positive number"),
+        ({"vn_transform": 3}, TypeError, "vn_transform must be callable or None"),
         ({"loss_fn": None}, ValueError, "loss_fn is None on the process holding the last stage"),
         ({"pipeline": 2}, ValueError, "stages=2 needs 2 processes"),
         ({"pipeline": "2"}, TypeError, "pipeline must be a vflow.Pipeline or a stage count"),

@@ -93,10 +93,25 @@ def _amplify_the_embedding(ex: vflow.PipelineExecutor) -> None:
             p.grad.mul_(3.0)  # type: ignore[union-attr]
 
 
-def _train(ex: vflow.PipelineExecutor, steps: range, shares: bool = False) -> list[float]:
+def _encoded() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The batches with their inputs stored twice over (12 features): ``_decode`` takes
+    the first 6, so the inputs the first segment takes are not the ones given."""
+    return [(torch.cat([x, x], dim=1), y) for x, y in _batches()]
+
+
+def _decode(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A vn_transform that changes the inputs' shape and draws from the VN's generator."""
+    kept = x[:, :6]
+    return kept + 0.05 * torch.randn(kept.shape, generator=generator)
+
+
+def _train(
+    ex: vflow.PipelineExecutor, steps: range, shares: bool = False, encoded: bool = False
+) -> list[float]:
     """``shares``: each process is given only what it uses of its replica's share (Note
-    [Data per replica]): inputs on the first stage, targets on the last, nothing between."""
-    batches = _batches()
+    [Data per replica]): inputs on the first stage, targets on the last, nothing between.
+    ``encoded``: the batches of ``_encoded``."""
+    batches = _encoded() if encoded else _batches()
     dtype = next(ex.stage_module.parameters()).dtype
     losses = []
     for step in steps:
@@ -188,7 +203,7 @@ def _fixed_grids(rank: int, world_size: int) -> dict[str, Any]:
         ),
     ):
         ex = _executor(ProcessGrid.of(stages), stages, **kwargs)
-        losses = _train(ex, range(STEPS), shares="per replica" in name)
+        losses = _train(ex, range(STEPS), "per replica" in name, "vn_transform" in name)
         profile = _profiles(ex)
         norm = ex.last_result.grad_norm  # type: ignore[union-attr]
         outputs = None
@@ -211,6 +226,8 @@ _FEATURES: dict[str, dict[str, Any]] = {
         "pre_step_hook": _amplify_the_embedding,
     },
     "2x2 amp bf16": {"amp": "bf16"},
+    # Inputs decoded and jittered per VN, into another shape than the schedule is given.
+    "2x2 vn_transform": {"vn_transform": _decode},
     # A scale that overflows fp16 at first: the grid skips steps as one, backing off.
     "2x2 amp fp16": {"amp": "fp16", "loss_scale": vflow.LossScaler(2.0**40, growth_interval=1)},
 }
@@ -367,7 +384,8 @@ def test_every_grid_trains_the_single_process_model() -> None:
         if name == "2x2 bf16":
             want = _reference_of(_batches(), dtype=torch.bfloat16)
         if name in _FEATURES:
-            want = _reference_of(_batches(), **copy.deepcopy(_FEATURES[name]))
+            batches = _encoded() if "vn_transform" in name else _batches()
+            want = _reference_of(batches, **copy.deepcopy(_FEATURES[name]))
         _assert_same(outcome["state"], want, exact, name)
         # Every process reports the same global loss, whichever stage it holds.
         assert all(r[name]["losses"] == outcome["losses"] for r in results), name

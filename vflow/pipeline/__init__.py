@@ -6,7 +6,7 @@ microbatches] in ``executor``), with per-segment random streams (``streams``), t
 stage that reports each VN's gradients to vflow's buffers (``stage``) and a training
 state that loads on any grid (``state``).
 
-May import: vflow.mapping, vflow.planning, vflow.world and vflow.runtime. Never the
+May import: vflow.mapping, vflow.planning, vflow.data, vflow.world and vflow.runtime. Never the
 elastic room: both drive executors, neither drives the other.
 """
 

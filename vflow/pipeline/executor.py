@@ -42,6 +42,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from vflow.data.prefetch import Prefetcher, VNTransform
+from vflow.data.vn_batches import VNBatchSource
 from vflow.mapping import rng
 from vflow.mapping.batching import concat_outputs
 from vflow.mapping.plan import Plan, VNSlice
@@ -113,6 +115,11 @@ class PipelineExecutor:
             (Note [One norm for the grid]). ``StepResult.grad_norm`` reports it.
         accumulate_dtype, buffer_rule, skip_nonfinite, timeout, bucket_cap_mb,
         first_bucket_mb: as for ``vflow.Executor``.
+        prefetch, vn_transform: as for ``vflow.Executor``, on the first stage's inputs
+            (Note [Feeding the first stage]): ``vn_transform(vn_inputs, generator)``
+            gets a VN's inputs (a tensor or a tuple of them; not the targets, which live
+            on the last stage) and returns them with the same number of samples, and,
+            with S > 1, the same shapes for every VN. ``infer`` does not apply it.
         registered_state: ``registered_state(stage_optimizer) -> {name: obj}`` builds
             this stage's objects that are part of the training state (an LR scheduler of
             the stage's optimizer; see ``register_state``), before a process joining the
@@ -146,6 +153,8 @@ class PipelineExecutor:
         bucket_cap_mb: float = 25.0,
         first_bucket_mb: float = 1.0,
         registered_state: Callable[[torch.optim.Optimizer], Mapping[str, object]] | None = None,
+        prefetch: bool = True,
+        vn_transform: VNTransform | None = None,
     ) -> None:
         named_segments = segments(model)
         if registered_state is not None and not callable(registered_state):
@@ -160,6 +169,10 @@ class PipelineExecutor:
             )
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
+        if vn_transform is not None and not callable(vn_transform):
+            raise TypeError(
+                f"vn_transform must be callable or None, got {type(vn_transform).__name__}"
+            )
         if isinstance(pipeline, int) and not isinstance(pipeline, bool):
             pipeline = Pipeline(pipeline)
         if not isinstance(pipeline, Pipeline):
@@ -179,7 +192,7 @@ class PipelineExecutor:
             first_bucket_mb=first_bucket_mb,
             broadcast_parameters=True,
             deterministic=deterministic,
-            prefetch=False,
+            prefetch=prefetch,
             timeout=timeout,
             has_fp16_params=any(p.dtype == torch.float16 for p in model.parameters()),
         )
@@ -212,6 +225,9 @@ class PipelineExecutor:
         self.skipped_steps = 0
         self._registered = RegisteredState()
         self._pre_step_hooks = PreStepHooks()
+        self._vn_inputs = VNBatchSource(bool(config.deterministic), vn_transform)
+        self._prefetcher = Prefetcher(params[0].device, config.prefetch)
+        self._feed: _InputFeed | None = None  # the first stage's VN inputs, during a step
         self._bounds = bounds
         self._segment_names = [name for name, _ in named_segments]
         self._params = params
@@ -564,6 +580,7 @@ class PipelineExecutor:
             self._grads.begin_step(self.step_count)
             self._streams.begin_step(self.seed, self.step_count)  # type: ignore[union-attr]
             self._run = run
+            self._feed = self._input_feed(mine_in, slices)
             try:
                 if grid.stages == 1:
                     run.sequential(mine_in)
@@ -572,6 +589,9 @@ class PipelineExecutor:
             finally:
                 self._streams.end_step()  # type: ignore[union-attr]
                 self._run = None
+                feed, self._feed = self._feed, None
+                if feed is not None:
+                    feed.close()
             marks.append(clock.mark())
             run.reduce()
             if buffers is not None and grid.replicas > 1:
@@ -688,9 +708,29 @@ class PipelineExecutor:
         be a tuple too: the schedule gets a placeholder, one element per microbatch."""
         schedule = self._schedule(microbatches, microbatch_size)
         placeholder = torch.zeros(microbatches) if self._grid.is_last else None
+        if self._feed is not None:
+            inputs = self._feed.schedule_inputs(microbatches)
         self._schedule_step(
             schedule, inputs, f"vflow step {self.step_count}", target=placeholder, outputs=False
         )
+
+    def _input_feed(self, inputs: Any, slices: list[VNSlice]) -> _InputFeed | None:
+        """The first stage's VN inputs prepared by the prefetcher (Note [Feeding the
+        first stage]); None where the schedule's own split is all there is to do."""
+        if inputs is None or not (
+            self._vn_inputs.transform is not None or self._prefetcher.needs_transfer(inputs)
+        ):
+            return None
+        lo = slices[0].start
+        local = [VNSlice(s.vn, s.start - lo, s.size) for s in slices]
+        jobs = self._vn_inputs.jobs(inputs, local, self.seed, self.step_count)
+        return _InputFeed(self._prefetcher.batches(jobs))
+
+    def stage_inputs(self, microbatch: int, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """A StageListener's: the first stage's arguments for ``microbatch``."""
+        if self._feed is None or self._infer_slices is not None:
+            return args
+        return self._feed.arguments(microbatch)
 
     def _schedule_step(
         self, schedule: Any, inputs: Any, where: str, *, target: Any, outputs: bool
@@ -969,6 +1009,9 @@ class PipelineExecutor:
         streams = getattr(self, "_streams", None)
         if streams is not None:
             streams.remove()
+        prefetcher = getattr(self, "_prefetcher", None)
+        if prefetcher is not None:
+            prefetcher.close()
 
     def __enter__(self) -> PipelineExecutor:
         return self
@@ -1040,8 +1083,12 @@ class _StepRun:
         """S = 1: the replica's VNs one after another (the single-process reference)."""
         ex = self.executor
         assert ex.loss_fn is not None
+        feed = ex._feed
         for position in range(len(self.slices)):
-            vn_inputs = _rows(inputs, *self._bounds(position))
+            if feed is not None:
+                vn_inputs: Any = feed.take(position)
+            else:
+                vn_inputs = _rows(inputs, *self._bounds(position))
             ex.forward_begins(position)
             with profiled("vflow::forward", self.profiling), ex.autocast():
                 output = ex.stage_module(
@@ -1241,6 +1288,70 @@ class _StepRun:
             timings,
             lambda: profile,
         )
+
+
+# Note [Feeding the first stage]
+# With ``vn_transform``, or inputs on the CPU for a stage on a GPU, the first stage's VN
+# inputs are prepared as vflow.Executor prepares its VN batches (vflow.data: the slice,
+# the deterministic-mode copy, the transform drawing from (seed, step, VN)'s generator,
+# the copy to the GPU on a side stream), by the same Prefetcher, the next VN's while the
+# current one computes. With S = 1 the loop takes them one by one. With S > 1 the
+# schedule splits its inputs itself and infers the stage's shapes from the first
+# microbatch: it is given VN 0's prepared inputs, repeated once per microbatch (so that
+# the shapes it infers are the prepared ones), and the stage's forward of microbatch i
+# takes VN i's prepared inputs instead of the schedule's slice (VNStage asks
+# ``stage_inputs``). Forwards run in microbatch order in both schedules, which is the
+# order the prefetcher prepares them in. Every VN's prepared inputs must then have VN
+# 0's shapes and dtypes (checked): a pipeline's microbatches share one shape.
+
+
+class _InputFeed:
+    """The prepared VN inputs of one step, taken in microbatch order (Note [Feeding the
+    first stage]); VN 0's are kept for the step, the others handed on."""
+
+    def __init__(self, batches: Iterator[Any]) -> None:
+        self._batches = batches
+        self._first: Any = None
+        self._next = 0
+
+    def take(self, position: int) -> Any:
+        if position == 0:
+            if self._first is None:
+                self._first = next(self._batches)
+            self._next = max(self._next, 1)
+            return self._first
+        if position != self._next:
+            raise RuntimeError(
+                f"vflow: microbatch {position}'s inputs asked for before microbatch "
+                f"{self._next}'s; the schedule runs its forwards out of order"
+            )
+        self._next += 1
+        return next(self._batches)
+
+    def arguments(self, position: int) -> tuple[Any, ...]:
+        batch = self.take(position)
+        args = batch if isinstance(batch, tuple) else (batch,)
+        first = self._first if isinstance(self._first, tuple) else (self._first,)
+        if [(t.shape, t.dtype) for t in args] != [(t.shape, t.dtype) for t in first]:
+            raise ValueError(
+                f"vn_transform gave microbatch {position} tensors of "
+                f"{[(tuple(t.shape), t.dtype) for t in args]} but microbatch 0 "
+                f"{[(tuple(t.shape), t.dtype) for t in first]}: a pipeline's microbatches "
+                "must share one shape"
+            )
+        return args
+
+    def schedule_inputs(self, microbatches: int) -> Any:
+        """What the schedule splits: VN 0's prepared inputs once per microbatch."""
+        first = self.take(0)
+        if isinstance(first, tuple):
+            return tuple(torch.cat([t] * microbatches) for t in first)
+        return torch.cat([first] * microbatches)
+
+    def close(self) -> None:
+        close = getattr(self._batches, "close", None)
+        if close is not None:
+            close()
 
 
 # Note [Mixed precision on a grid]

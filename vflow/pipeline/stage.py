@@ -42,6 +42,8 @@ class StageListener(Protocol):
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]: ...
 
+    def stage_inputs(self, microbatch: int, args: tuple[Any, ...]) -> tuple[Any, ...]: ...
+
 
 class VNStage(PipelineStage):
     """A ``PipelineStage`` reporting to ``listener`` (Note [Capturing a stage's
@@ -67,6 +69,8 @@ class VNStage(PipelineStage):
         save_forward_output: bool = True,
     ) -> Any:
         self._listener.forward_begins(fwd_chunk_id)
+        if self.is_first:  # Note [Feeding the first stage], vflow/pipeline/executor.py
+            args = self._listener.stage_inputs(fwd_chunk_id, args)
         with (
             profiled("vflow::forward", torch.autograd._profiler_enabled()),
             self._listener.autocast(),
