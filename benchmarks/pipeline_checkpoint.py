@@ -22,7 +22,7 @@ to /proc/self/clear_refs):
 * save: the peak during ``vflow.pipeline.save`` (each process writes its own stage's
   part; DCP's planner spreads a stage's entries over its replicas);
 * gather-then-save, the peer baseline: the former ``vflow.pipeline.save``, i.e.
-  ``ex.state_dict()`` (every stage's part gathered onto every process, as raw bytes)
+  ``ex.full_state_dict()`` (every stage's part gathered onto every process, as raw bytes)
   then ``torch.save`` of it from the grid's first process, atomically, and a gather of
   whether it was written.
 
@@ -155,7 +155,7 @@ def _peak_of(fn: Callable[[], object]) -> tuple[int, float, bool]:
 def gather_then_save(path: str, ex: vflow.PipelineExecutor) -> None:
     """The former vflow.pipeline.save: the whole state gathered onto every process,
     written from the grid's first process, and a gather of whether it was."""
-    state = ex.state_dict()
+    state = ex.full_state_dict()
     if ex.grid.rank == 0:
         write_atomically(path, state)
     del state
@@ -316,7 +316,7 @@ def print_results(results: dict[str, Any]) -> None:
         "  MiB: the resident set's high-water mark above where it stood before the model "
         "was built (medians over the rounds for the saves); steady: over the training "
         "steps; save: vflow.pipeline.save (each process its own stage); gather-then-save: "
-        "ex.state_dict() on every process + torch.save from the first (the former save)"
+        "ex.full_state_dict() on every process + torch.save from the first (the former save)"
         + (
             ""
             if all(p["peak_reset"] for p in results["processes"])

@@ -220,7 +220,7 @@ def train(args: argparse.Namespace) -> int:
                 skipped,
             )
     seconds = (time.perf_counter() - started) / max(args.steps, 1)
-    state = ex.state_dict()
+    state = ex.full_state_dict()
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     _log.info(
         "stage %d of replica %d: %.1f ms a step, peak memory %.0f MiB",

@@ -75,7 +75,7 @@ def _train(ex: vflow.PipelineExecutor, steps: range) -> None:
 
 
 def _finish(ex: vflow.PipelineExecutor) -> dict[str, Any]:
-    state = ex.state_dict()
+    state = ex.full_state_dict()
     ex.close()
     return state
 
@@ -125,7 +125,7 @@ def _two_stages(rank: int, world_size: int, resume_from: str, save_to: str) -> d
     resumed = _executor(2, grid, model_seed=8)
     vflow.pipeline.load(resume_from, resumed)
     _train(resumed, range(SAVED_AT, STEPS))
-    state = resumed.state_dict()
+    state = resumed.full_state_dict()
     resumed.close()
     fresh = _executor(2, ProcessGrid.of(2), model_seed=0)
     _train(fresh, range(SAVED_AT))
@@ -139,7 +139,7 @@ def _one_stage_until_saved(path: str) -> dict[str, Any]:
     _train(ex, range(SAVED_AT))
     vflow.pipeline.save(path, ex)
     _train(ex, range(SAVED_AT, STEPS))
-    state = ex.state_dict()
+    state = ex.full_state_dict()
     ex.close()
     return state
 
@@ -148,7 +148,7 @@ def _one_stage_resumed(path: str) -> dict[str, Any]:
     ex = _executor(1, None, model_seed=9)
     vflow.pipeline.load(path, ex)
     _train(ex, range(SAVED_AT, STEPS))
-    state = ex.state_dict()
+    state = ex.full_state_dict()
     ex.close()
     return state
 
@@ -190,7 +190,7 @@ def _old_format_at_saved_step(path: str) -> None:
     one torch.save file."""
     ex = _executor(1, None, model_seed=0)
     _train(ex, range(SAVED_AT))
-    torch.save(ex.state_dict(), path)
+    torch.save(ex.full_state_dict(), path)
     ex.close()
 
 

@@ -74,7 +74,7 @@ def _executor(grid: ProcessGrid | None, stages: int, compiled: bool) -> vflow.Pi
 def _train(grid: ProcessGrid | None, stages: int, compiled: bool) -> dict[str, Any]:
     ex = _executor(grid, stages, compiled)
     losses = [ex.step(x, y).loss for x, y in batches(STEPS, B)]
-    state = ex.state_dict()
+    state = ex.full_state_dict()
     ex.close()
     return {"losses": losses, "state": state}
 

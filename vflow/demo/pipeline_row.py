@@ -96,7 +96,7 @@ def _train(rank: int, world_size: int, stages: int, settings: dict[str, Any]) ->
         seconds.append(time.perf_counter() - start)
         losses.append(result.loss)
         vn_seconds += [v.forward_s + v.backward_s for v in result.profile.vns]
-    state = ex.state_dict()
+    state = ex.full_state_dict()
     ex.close()
     return {
         "losses": losses,

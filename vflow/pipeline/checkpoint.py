@@ -4,7 +4,7 @@ of it with torch.distributed.checkpoint (DCP), from the processes that hold it, 
 
 Note [Checkpoints per stage]
 Gathering the whole model onto every process to write one file (what
-``PipelineExecutor.state_dict`` does) costs every process the memory of all the
+``PipelineExecutor.full_state_dict`` does) costs every process the memory of all the
 stages, and pipelines exist for models that do not fit one process. So ``save`` writes
 with DCP: every process of the grid hands ``torch.distributed.checkpoint.save`` its own
 stage's tensors, referenced, not copied, under the names of the state of Note [A state
@@ -368,19 +368,9 @@ def load(path: str | os.PathLike[str], ex: PipelineExecutor) -> None:
 
 
 def _stage_snapshot(ex: PipelineExecutor) -> dict[str, Any]:
-    """This stage's state as it is, in the layout ``load_state_dict`` takes, on the CPU:
-    what a process puts back when another could not load."""
-    part = ex.stage_state_dict()
-    return pipeline_state.assemble(
-        [copy_to_cpu(part)],
-        virtual_nodes=ex.virtual_nodes,
-        seed=ex.seed,
-        step_count=ex.step_count,
-        skipped_steps=ex.skipped_steps,
-        deterministic=bool(ex.deterministic),
-        optimizer_class=type(ex.optimizer),
-        written_by={},
-    )
+    """This stage's state as it is, on the CPU: what a process puts back when another
+    could not load."""
+    return copy_to_cpu(ex.state_dict())
 
 
 def _read(path: str, ex: PipelineExecutor) -> tuple[dict[str, Any], int]:

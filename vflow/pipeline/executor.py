@@ -929,7 +929,7 @@ class PipelineExecutor:
     def register_state(self, name: str, obj: Any) -> None:
         """As ``vflow.Executor.register_state``: ``obj`` (with ``state_dict()`` and
         ``load_state_dict()``) becomes part of this stage's training state under
-        ``name``. Every process registers the same names; ``state_dict()`` keeps stage
+        ``name``. Every process registers the same names; ``full_state_dict()`` keeps stage
         0's objects (Note [A state for every grid]) and gives them to every stage on
         loading, so register objects that are alike on every stage (a scheduler of
         each stage's optimizer with the same settings). A process joining a grid must
@@ -952,14 +952,24 @@ class PipelineExecutor:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole model's training state, gathered from every stage: the model's
-        state dict under the names of the unsplit model, the optimizer state by
-        parameter name, step counts and seed (vflow.pipeline.state). A collective of
-        the grid; the state is returned on every process. It loads on any grid with
-        the same V (``load_state_dict``), and into ``stages=1`` on one process."""
+        """This stage's training state, no collective (Note [A state for every grid]'s
+        layout with this stage's entries only): its segments' state dict under the
+        unsplit model's names, its optimizer state by parameter name, step counts,
+        seed, registered objects and loss scaler. It loads back into this stage on any
+        grid with the same cut (``load_state_dict``); ``full_state_dict`` gathers every
+        stage's, and ``vflow.pipeline.save`` writes them without gathering."""
+        return self._assembled([self.stage_state_dict()])
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The whole model's training state, gathered from every stage onto every
+        process (a collective of the grid; every stage's memory on every process): it
+        loads on any grid with the same V (``load_state_dict``), and into ``stages=1``
+        on one process."""
         self._check_open()
         mine = self.stage_state_dict() if self._grid.replica == 0 else None
-        parts = pipeline_state.gather(self._grid_world(), mine, self._grid.stages)
+        return self._assembled(pipeline_state.gather(self._grid_world(), mine, self._grid.stages))
+
+    def _assembled(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
         return pipeline_state.assemble(
             parts,
             virtual_nodes=self.virtual_nodes,
@@ -976,8 +986,9 @@ class PipelineExecutor:
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores this stage's part of ``state`` (from ``state_dict`` on any grid, or
-        ``vflow.pipeline.load``). Every process of the grid loads the same state;
+        """Restores this stage's part of ``state`` (``full_state_dict`` from any grid,
+        ``state_dict`` from this stage on any grid with the same cut, or what
+        ``vflow.pipeline.load`` reads). Every process of the grid loads the same state;
         each raises before changing anything when it does not fit its stage."""
         self._check_open()
         local = pipeline_state.stage_state(

@@ -13,9 +13,11 @@ wrote it, and so does ``stages=1`` on one process. The stages' parts travel as r
 tensor bytes (Note [Sending the training state], vflow/world/membership.py), so the
 gathered state holds the same bits as the stages.
 
-Gathered, the state costs every process the memory of the whole model: checkpoints do
-not gather it. ``vflow.pipeline.save`` writes each stage's part (``stage_part``) from
-the processes that hold it, under these names flattened into keys no two stages share,
+Gathered (``PipelineExecutor.full_state_dict``), the state costs every process the
+memory of the whole model: ``state_dict`` is a stage's own entries in the same layout,
+and checkpoints do not gather it. ``vflow.pipeline.save`` writes each stage's part
+(``stage_part``) from the processes that hold it, under these names flattened into keys
+no two stages share,
 and ``vflow.pipeline.load`` reads back a state of this layout holding only the loading
 process's stage, which ``stage_state`` takes as it takes a whole one (Note
 [Checkpoints per stage], vflow/pipeline/checkpoint.py).
@@ -148,12 +150,13 @@ def stage_state(
     (``segment_names``) are refused: the state is another model's."""
     if not isinstance(state, Mapping):
         raise TypeError(
-            f"state must be a dict from PipelineExecutor.state_dict(), got {type(state).__name__}"
+            "state must be a dict from PipelineExecutor.full_state_dict() or state_dict(), "
+            f"got {type(state).__name__}"
         )
     if state.get("format") != FORMAT:
         raise ValueError(
             f"not a vflow pipeline state: state['format'] is {state.get('format')!r}, "
-            f"expected {FORMAT!r} (from PipelineExecutor.state_dict() or vflow.pipeline.save)"
+            f"expected {FORMAT!r} (from PipelineExecutor.full_state_dict() or state_dict())"
         )
     if state.get("version") != VERSION:
         raise ValueError(
