@@ -344,7 +344,7 @@ def headline_records(results: dict[str, Any]) -> list[dict[str, Any]]:
             "pipeline_checkpoint",
             "pipeline_checkpoint/gather-vs-steady",
             "2x2: peak RSS growth, gather-then-save / training, same process",
-            vflow=m(nbytes=int(worst["gather_median"]), label="state_dict() + torch.save"),
+            vflow=m(nbytes=int(worst["gather_median"]), label="full_state_dict() + torch.save"),
             limit=steady,
             compare="vflow/limit",
             stated_ratio=worst["gather_ratio"],
