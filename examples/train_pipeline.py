@@ -27,6 +27,20 @@ Each process is given only what it uses of its replica's share of the global bat
 (``global_batch_size=B``): the images on a replica's first stage, the labels on its
 last, nothing between.
 
+Elastic (``--rdzv HOST:PORT --job ID``, on the store ``python -m vflow rendezvous``
+hosts): each process is started on its own with ``--stage s`` and is one stage of a
+replica; the job runs on whole replicas, which join, leave (SIGTERM) and crash (a
+killed process takes its replica out: its partners wait, and come back once a process
+of the lost stage is started again) while it runs, and with ``--deterministic`` it
+ends bitwise as the lines above::
+
+    python -m vflow rendezvous --port 29400 &
+    for stage in 0 1 0 1; do
+        python examples/train_pipeline.py --rdzv 127.0.0.1:29400 --job pipe \
+            --stages 2 --stage $stage --min-workers 4 --virtual-nodes 8 --steps 50 \
+            --seed 0 --deterministic --out d.pt &
+    done
+
 torchrun's store (and this script's Gloo connections) listen on the loopback interface
 here; the c10d store has no authentication. The grid's first process writes
 ``{"model": the whole model's state dict, under the unsplit model's names, "step": N}``
@@ -49,6 +63,7 @@ import torch.nn.functional as F
 
 import vflow
 from vflow.demo import accuracy, load_digits_split, make_pipeline_model, make_transformer_model
+from vflow.elastic import add_job_arguments, job_from_args
 from vflow.world.group import use_loopback_for_gloo
 
 _log = logging.getLogger("train_pipeline")
@@ -105,7 +120,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="torch threads per process (default 1); bitwise results need the same everywhere",
     )
     parser.add_argument("--log-every", type=int, default=10, help="log the loss every N steps")
+    # Elastic: --rdzv, --job and the job's options, and this process's stage.
+    add_job_arguments(parser, "min_workers", "timeout_s", "last_call_s", required=False)
+    parser.add_argument(
+        "--stage", type=int, default=None, help="elastic: the stage this process holds"
+    )
+    parser.add_argument(
+        "--sleep", type=float, default=0.0, help="seconds this process sleeps before each step"
+    )
     args = parser.parse_args(argv)
+    elastic = args.rendezvous is not None or args.job_id is not None
+    if elastic and (args.rendezvous is None or args.job_id is None):
+        parser.error("an elastic job needs both --rdzv and --job")
+    if elastic and args.stages < 2:
+        parser.error("an elastic job of --stages 1 is examples/train_elastic.py's")
+    if elastic and args.device == "cuda":
+        parser.error("--device cuda with --rdzv: elastic pipelines run on CPUs (Gloo) so far")
+    if elastic and args.stage is None:
+        parser.error("--stage: an elastic pipeline's process says which stage it holds")
+    if args.stage is not None and not (elastic and 0 <= args.stage < args.stages):
+        parser.error(f"--stage must be in [0, --stages) and needs --rdzv, got {args.stage}")
+    if not args.sleep >= 0:
+        parser.error(f"--sleep must be >= 0, got {args.sleep}")
     for flag, value, minimum in (
         ("--stages", args.stages, 1),
         ("--virtual-nodes", args.virtual_nodes, 1),
@@ -139,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
-    distributed = "WORLD_SIZE" in os.environ
+    distributed = "WORLD_SIZE" in os.environ and args.rendezvous is None
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: torch sees no CUDA device")
@@ -162,23 +198,22 @@ def build(args: argparse.Namespace, only: list[str] | None = None) -> torch.nn.S
     return make_pipeline_model(args.seed, args.width, args.blocks, only=only)
 
 
-def train(args: argparse.Namespace) -> int:
-    x_train, y_train, x_test, y_test = load_digits_split(args.seed)
+def make_executor(
+    args: argparse.Namespace, grid: vflow.pipeline.ProcessGrid, timeout_s: float
+) -> vflow.PipelineExecutor:
+    """This process's stage of the model and its executor on ``grid``. Each process
+    builds only its own stage's segments: the whole model never exists in one process
+    (the names of the segments come from a build on the meta device)."""
     device = (
         torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else None
     )
-    if device is not None:
-        x_train, y_train = x_train.to(device), y_train.to(device)
     pipeline = vflow.Pipeline(args.stages, schedule=args.schedule)
-    # Each process builds only its own stage's segments: the whole model never exists
-    # in one process (the names of the segments come from a build on the meta device).
-    grid = vflow.pipeline.ProcessGrid.of(args.stages, timeout=600.0)
     names = [name for name, _ in build(args, only=[]).named_children()]
     own = pipeline.cut(names)[grid.stage]
     model = build(args, only=own)
     for name in own if device is not None else ():
         getattr(model, name).to(device)
-    ex = vflow.PipelineExecutor(
+    return vflow.PipelineExecutor(
         model,
         lambda params: torch.optim.AdamW(params, lr=args.lr),
         lambda output, target: F.cross_entropy(output, target),
@@ -189,37 +224,81 @@ def train(args: argparse.Namespace) -> int:
         deterministic=args.deterministic,
         amp=None if args.amp == "none" else args.amp,
         max_grad_norm=args.max_grad_norm,
+        timeout=timeout_s,
     )
-    first = ex.grid.rank == 0
+
+
+def train(args: argparse.Namespace) -> int:
+    x_train, y_train, x_test, y_test = load_digits_split(args.seed)
+    if args.device == "cuda":
+        x_train, y_train = x_train.to("cuda"), y_train.to("cuda")
     # Every process draws the same global batch, and keeps what it uses of its
     # replica's share: the images on the first stage, the labels on the last.
     sampler = vflow.VNBatchSampler(
         len(y_train), args.batch_size, vflow.Plan([1]), 0, seed=args.seed
     )
-    start, stop = ex.plan.worker_range(ex.grid.replica, args.batch_size)
-    started = time.perf_counter()
-    for step in range(args.steps):
-        indices, _ = sampler.step_indices(step)
-        mine = indices[start:stop]
+
+    def train_step(ex: vflow.PipelineExecutor, step: int) -> vflow.StepResult:
+        if args.sleep > 0:
+            time.sleep(args.sleep)
+        # The replica's share under the plan of this step's grid (an elastic job's grid
+        # changes with its workers).
+        start, stop = ex.plan.worker_range(ex.grid.replica, args.batch_size)
+        mine = sampler.step_indices(step)[0][start:stop]
         result = ex.step(
             x_train[mine] if ex.grid.is_first else None,
             y_train[mine] if ex.grid.is_last else None,
             global_batch_size=args.batch_size,
         )
-        if first and (step + 1) % args.log_every == 0:
-            norm = "" if result.grad_norm is None else f"  gradient norm {result.grad_norm:.4f}"
-            scale = "" if result.loss_scale is None else f"  loss scale {result.loss_scale:g}"
-            skipped = "  (skipped: inf/NaN)" if result.skipped else ""
-            _log.info(
-                "step %d/%d  loss %.4f%s%s%s",
-                step + 1,
-                args.steps,
-                result.loss,
-                norm,
-                scale,
-                skipped,
-            )
+        _log_step(args, ex, step, result)
+        return result
+
+    started = time.perf_counter()
+    if args.rendezvous is not None:
+        job = job_from_args(args, stages=args.stages, stage=args.stage)
+        ran = job.run(
+            lambda grid, timeout_s: make_executor(args, grid, timeout_s), train_step, args.steps
+        )
+        if ran is None or ran.step_count < args.steps:
+            return 0  # the job ended without this process, or it left: no model to write
+        ex = ran
+    else:
+        grid = vflow.pipeline.ProcessGrid.of(args.stages, timeout=600.0)
+        ex = make_executor(args, grid, 600.0)
+        for step in range(args.steps):
+            train_step(ex, step)
     seconds = (time.perf_counter() - started) / max(args.steps, 1)
+    finish(args, ex, seconds, x_test, y_test)
+    return 0
+
+
+def _log_step(
+    args: argparse.Namespace, ex: vflow.PipelineExecutor, step: int, result: vflow.StepResult
+) -> None:
+    if ex.grid.rank == 0 and (step + 1) % args.log_every == 0:
+        norm = "" if result.grad_norm is None else f"  gradient norm {result.grad_norm:.4f}"
+        scale = "" if result.loss_scale is None else f"  loss scale {result.loss_scale:g}"
+        skipped = "  (skipped: inf/NaN)" if result.skipped else ""
+        _log.info(
+            "step %d/%d  loss %.4f%s%s%s",
+            step + 1,
+            args.steps,
+            result.loss,
+            norm,
+            scale,
+            skipped,
+        )
+
+
+def finish(
+    args: argparse.Namespace,
+    ex: vflow.PipelineExecutor,
+    seconds: float,
+    x_test: torch.Tensor,
+    y_test: torch.Tensor,
+) -> None:
+    """Every process of the grid gathers the model; the first one tests and writes it."""
+    first = ex.grid.rank == 0
     state = ex.full_state_dict()
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     _log.info(
@@ -238,7 +317,6 @@ def train(args: argparse.Namespace) -> int:
             torch.save({"model": state["model"], "step": ex.step_count}, partial)
             os.replace(partial, args.out)
     ex.close()
-    return 0
 
 
 if __name__ == "__main__":

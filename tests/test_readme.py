@@ -93,6 +93,7 @@ def test_the_venv_has_the_commands_the_readme_names() -> None:
 _ELASTIC = "tests/elastic/test_train_elastic.py::"
 _HOSTS = "tests/elastic/test_several_machines.py::"
 _CLUSTER = "tests/cluster/test_cli.py::test_the_readmes_cluster_commands_run_as_written"
+_PIPELINES = "tests/elastic/test_pipelines.py::"
 _FLAGS = "--job j1 --steps 200 --virtual-nodes 8 --seed 0 --deterministic --out final.pt"
 README_COMMANDS: dict[str, str] = {
     "make demo": ".ci/run",
@@ -106,6 +107,10 @@ README_COMMANDS: dict[str, str] = {
     f".venv/bin/python examples/train_elastic.py --rdzv 127.0.0.1:29400 {_FLAGS} --sleep 0.15": (
         _ELASTIC + "test_the_readme_lines_grow_crash_and_grow_again_bitwise_as_one_worker"
     ),
+    ".venv/bin/python examples/train_pipeline.py --rdzv 127.0.0.1:29400 --job p1 --stages 2 "
+    "--stage 0 --steps 200 --virtual-nodes 8 --seed 0 --deterministic --out final.pt "
+    "--sleep 0.15": _PIPELINES
+    + "test_replicas_join_crash_come_back_and_leave_bitwise_as_one_process",
     ".venv/bin/python -m vflow rendezvous --host 10.0.0.1 --port 29400": (
         _HOSTS + "test_the_readme_lines_run_as_written_on_two_hosts"
     ),
@@ -168,6 +173,9 @@ def test_the_tests_that_read_readme_lines_are_registered_for_them() -> None:
     for prefix, lines in read.items():
         for words in lines:
             assert README_COMMANDS.get(" ".join(words), "").startswith(prefix), words
+    # The pipelines' store line is the elastic jobs' own (registered there).
+    _, pipeline = several_hosts.readme_lines("### Elastic pipelines", "examples/train_pipeline.py")
+    assert README_COMMANDS.get(" ".join(pipeline), "").startswith(_PIPELINES), pipeline
     cluster = [line.strip() for line in README.splitlines()]
     cluster = [line for line in cluster if line.startswith(".venv/bin/python -m vflow cluster ")]
     assert cluster and all(README_COMMANDS.get(line) == _CLUSTER for line in cluster), cluster

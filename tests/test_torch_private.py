@@ -155,13 +155,14 @@ VFLOW_OWN = {
     "_device": "PipelineExecutor's device, read by its step runner (the step's clock)",
     "_feed": "PipelineExecutor's first-stage VN inputs, read by its step runner",
     "_grads": "PipelineExecutor's gradient store, read by its step runner",
+    "_grid_world": "PipelineExecutor's grid, read by its step runner",
     "_norm_slots": "PipelineExecutor's parameter slots, read by its step runner (clipping)",
     "_norm_width": "PipelineExecutor's parameter count, read by its step runner (clipping)",
     "_params": "PipelineExecutor's trainable parameters, read by its step runner (clipping)",
     "_pre_step_hooks": "PipelineExecutor's pre-step hooks, called by its step runner",
-    "_run": "World's collective runner, used by the sum World.start_sum started",
-    "_grid_world": "PipelineExecutor's grid, read by its step runner",
     "_previous": "PipelineExecutor's previous step, read by its step runner",
+    "_run": "World's collective runner, used by the sum World.start_sum started",
+    "_signal": "PipelineExecutor's signal word, read by its step runner into the losses' row",
     "_sizes": "Plan's VN counts, compared with another Plan's",
 }
 NOT_TORCH = {"_fields": "namedtuple's field names"}

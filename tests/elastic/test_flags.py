@@ -81,3 +81,14 @@ def test_bad_uses_are_clear_errors() -> None:
         job_from_args(args, max_workers=4)
     with pytest.raises(ValueError, match="add_job_arguments set up"):
         job_from_args(argparse.Namespace(rendezvous="127.0.0.1:1", job_id="j"))
+
+
+def test_optional_job_flags_leave_a_script_without_a_job_until_both_are_given() -> None:
+    parser = argparse.ArgumentParser()
+    add_job_arguments(parser, "timeout_s", required=False)
+    args = parser.parse_args([])
+    assert (args.rendezvous, args.job_id) == (None, None)
+    with pytest.raises(ValueError, match="needs both --rdzv and --job"):
+        job_from_args(args)
+    job = job_from_args(parser.parse_args(["--rdzv", "127.0.0.1:29400", "--job", "j"]))
+    assert (job.rendezvous, job.job_id) == ("127.0.0.1:29400", "j")

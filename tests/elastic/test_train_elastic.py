@@ -11,14 +11,11 @@ the end."""
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,6 +26,14 @@ import torch.distributed as dist
 
 import vflow
 from tests.support import REPO_ROOT
+from tests.support.elastic_lines import (
+    README_PORT,
+    WAIT_S,
+    Workers,
+    readme_store,
+    reasons,
+    worker_env,
+)
 from tests.support.rendezvous import store_process
 from tests.support.several_hosts import assert_bitwise_equal, readme_lines
 from vflow.demo import load_digits_split
@@ -38,21 +43,8 @@ if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("needs torch.distributed with Gloo", allow_module_level=True)
 
 SCRIPT = REPO_ROOT / "examples" / "train_elastic.py"
-ALTERED = REPO_ROOT / "tests" / "support" / "altered_example.py"
 README = REPO_ROOT / "README.md"
 REQUIRED = ("--rdzv", "--job", "--steps", "--virtual-nodes", "--seed", "--deterministic", "--out")
-README_PORT = "29400"
-WAIT_S = 90.0
-# One line per change of the worker set (ElasticJob's log, Note [Elastic state machine]).
-EVENT = re.compile(r"vflow elastic: step (\d+), round \d+, (\d+) worker\(s\), (\w+), [\d.]+ s$")
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    # Bitwise equality needs the same thread count in every worker and in the
-    # one-worker run; no GPU: the example trains on the CPU with Gloo.
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    return env
 
 
 def _readme_lines() -> tuple[list[str], list[str]]:
@@ -61,113 +53,10 @@ def _readme_lines() -> tuple[list[str], list[str]]:
     return readme_lines("### Elastic jobs")
 
 
-def _as_here(words: list[str], port: int, **replace: str) -> list[str]:
-    """``words`` with the README's port replaced by ``port`` and the value of each flag
-    in ``replace`` (``out="..."`` for ``--out``) by the given one; the README's
-    interpreter (.venv/bin/python) unless this checkout has none."""
-    words = [w.replace(README_PORT, str(port)) for w in words]
-    assert any(str(port) in w for w in words), f"the README's port {README_PORT} not in {words}"
-    for flag, value in replace.items():
-        index = words.index(f"--{flag}")  # a README line without it is out of date
-        words[index + 1] = value
-    if not (REPO_ROOT / words[0]).exists():
-        words[0] = sys.executable
-    return words
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def _readme_store(words: list[str], state: Path) -> Iterator[int]:
-    """The README's store line, on a free port (another one if that was taken)."""
-    for _ in range(3):
-        port = _free_port()
-        command = _as_here(words, port)
-        # The README's line names a port, so the store keeps a journal: in ``state``,
-        # not in the home folder.
-        env = dict(_env(), XDG_STATE_HOME=str(state))
-        with store_process(command, cwd=REPO_ROOT, env=env) as (proc, endpoint):
-            if endpoint == f"127.0.0.1:{port}":
-                yield port
-                return
-            assert proc.wait(timeout=30) != 0, endpoint  # the port was taken meanwhile
-    raise AssertionError("python -m vflow rendezvous found no free port in 3 tries")
-
-
-class Workers:
-    """Processes of the README's worker line, each with a stderr file (the example logs
-    there)."""
-
-    def __init__(self, words: list[str], port: int, tmp: Path, extra: Sequence[str] = ()) -> None:
-        self.words, self.port, self.tmp, self.extra = words, port, tmp, list(extra)
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(
-        self, name: str, change: str | None = None, more: Sequence[str] = (), **replace: str
-    ) -> None:
-        """Starts the line (with ``replace``'s values, the extra flags and this worker's
-        ``more``); ``change``: through tests/support/altered_example.py with that
-        change."""
-        words = _as_here(self.words, self.port, **replace) + self.extra + list(more)
-        if change is not None:
-            script = next(i for i, w in enumerate(words) if w.endswith("train_elastic.py"))
-            words = [words[0], str(ALTERED), change, "--", *words[script + 1 :]]
-        with (self.tmp / f"{name}.err").open("wb") as err:
-            self.procs[name] = subprocess.Popen(
-                words,
-                cwd=REPO_ROOT,
-                env=_env(),
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-            )
-
-    def stderr(self, name: str) -> str:
-        return (self.tmp / f"{name}.err").read_text(encoding="utf-8", errors="replace")
-
-    def events(self, name: str) -> list[tuple[int, int, str]]:
-        """(step, workers, reason) of each change of the worker set the worker logged."""
-        return [
-            (int(m[1]), int(m[2]), m[3])
-            for line in self.stderr(name).splitlines()
-            if (m := EVENT.search(line))
-        ]
-
-    def wait_for(self, name: str, what: str, done: Callable[[list[Any]], bool]) -> None:
-        """Polls ``done(events of name)`` until true, for at most WAIT_S."""
-        deadline = time.monotonic() + WAIT_S
-        while not done(self.events(name)):
-            if self.procs[name].poll() is not None:
-                raise AssertionError(f"{name} ended before {what}:\n{self.stderr(name)[-4000:]}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no {what} within {WAIT_S:g} s:\n{self.stderr(name)[-4000:]}")
-            time.sleep(0.05)
-
-    def wait(self, names: list[str], timeout: float) -> dict[str, int]:
-        deadline = time.monotonic() + timeout
-        return {
-            name: self.procs[name].wait(timeout=max(1.0, deadline - time.monotonic()))
-            for name in names
-        }
-
-    def kill_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
-
-
-def _reasons(events: list[tuple[int, int, str]]) -> list[str]:
-    return [reason for _, _, reason in events]
-
-
 def test_help_lists_the_required_flags() -> None:
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--help"],
-        env=_env(),
+        env=worker_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -191,7 +80,7 @@ def _running(
     try:
         workers.start("alone", job="alone", out=str(alone_out), **alone)
         workers.start("a", out=str(out))
-        workers.wait_for("a", "A training", lambda e: "start" in _reasons(e))
+        workers.wait_for("a", "A training", lambda e: "start" in reasons(e))
         yield workers, out, alone_out
     finally:
         workers.kill_all()
@@ -201,7 +90,7 @@ def _running(
 def _readme_job(tmp_path: Path, extra: Sequence[str] = ()) -> Iterator[tuple[Workers, Path, Path]]:
     """The README's store and its worker line, _running."""
     store, worker = _readme_lines()
-    with _readme_store(store, tmp_path) as port, _running(worker, port, tmp_path, extra) as job:
+    with readme_store(store, tmp_path) as port, _running(worker, port, tmp_path, extra) as job:
         yield job
 
 
@@ -211,18 +100,18 @@ def test_the_readme_lines_grow_crash_and_grow_again_bitwise_as_one_worker(tmp_pa
     steps = int(worker[worker.index("--steps") + 1])
     with _readme_job(tmp_path) as (workers, out, alone):
         workers.start("b", out=str(out))
-        workers.wait_for("a", "B joining", lambda e: "grow" in _reasons(e))
+        workers.wait_for("a", "B joining", lambda e: "grow" in reasons(e))
         workers.procs["b"].kill()
         assert workers.procs["b"].wait(timeout=30) == -signal.SIGKILL
         # C starts once A trains alone again, so that it joins a running job rather than
         # the survivors' recovery.
-        workers.wait_for("a", "A going on without B", lambda e: "crash" in _reasons(e))
+        workers.wait_for("a", "A going on without B", lambda e: "crash" in reasons(e))
         workers.start("c", out=str(out))
         codes = workers.wait(["a", "c", "alone"], timeout=120)
         assert codes == {"a": 0, "c": 0, "alone": 0}, workers.stderr("a")[-4000:]
 
     a = workers.events("a")
-    assert _reasons(a) == ["start", "grow", "crash", "grow", "finish"], a
+    assert reasons(a) == ["start", "grow", "crash", "grow", "finish"], a
     assert [n for _, n, _ in a] == [1, 2, 1, 2, 2], a
     assert a[-1][0] == steps
     assert workers.events("c") == [(a[3][0], 2, "start"), (steps, 2, "finish")]
@@ -260,7 +149,7 @@ def test_joiners_with_other_settings_are_refused_and_the_job_finishes_bitwise(
             assert "refused by the members" in said and named in said, said[-4000:]
         codes = workers.wait(["a", "alone"], timeout=120)
         assert codes == {"a": 0, "alone": 0}, workers.stderr("a")[-4000:]
-    assert _reasons(workers.events("a")) == ["start", "finish"], workers.events("a")
+    assert reasons(workers.events("a")) == ["start", "finish"], workers.events("a")
     assert "were refused" in workers.stderr("a")
     assert_bitwise_equal(torch.load(out, weights_only=True), torch.load(alone, weights_only=True))
 
@@ -284,7 +173,7 @@ def test_a_joiner_with_another_model_or_too_slow_is_refused_and_the_job_finishes
         assert "did not join the worker set within the join deadline" in said, said[-4000:]
         codes = workers.wait(["a", "alone"], timeout=120)
         assert codes == {"a": 0, "alone": 0}, workers.stderr("a")[-4000:]
-    assert _reasons(workers.events("a")) == ["start", "finish"], workers.events("a")
+    assert reasons(workers.events("a")) == ["start", "finish"], workers.events("a")
     assert "were refused" in workers.stderr("a")
     assert_bitwise_equal(torch.load(out, weights_only=True), torch.load(alone, weights_only=True))
 
@@ -347,18 +236,18 @@ def test_a_schedule_and_a_dataloader_through_join_crash_and_leave_bitwise(tmp_pa
         # B starts a tenth into the schedule; with its start-up it joins near 30 %.
         _wait_for_step(log, a_pid, steps // 10, workers)
         workers.start("b", out=str(out))
-        workers.wait_for("a", "B joining", lambda e: _reasons(e).count("grow") == 1)
+        workers.wait_for("a", "B joining", lambda e: reasons(e).count("grow") == 1)
         workers.start("c", out=str(out))
-        workers.wait_for("a", "C joining", lambda e: _reasons(e).count("grow") == 2)
+        workers.wait_for("a", "C joining", lambda e: reasons(e).count("grow") == 2)
         workers.procs["c"].kill()
         assert workers.procs["c"].wait(timeout=30) == -signal.SIGKILL
-        workers.wait_for("a", "A going on without C", lambda e: "crash" in _reasons(e))
+        workers.wait_for("a", "A going on without C", lambda e: "crash" in reasons(e))
         workers.procs["b"].terminate()
         codes = workers.wait(["a", "b", "alone"], timeout=120)
         assert codes == {"a": 0, "b": 0, "alone": 0}, workers.stderr("a")[-4000:]
 
     events = workers.events("a")
-    assert _reasons(events) == ["start", "grow", "grow", "crash", "leave", "finish"], events
+    assert reasons(events) == ["start", "grow", "grow", "crash", "leave", "finish"], events
     assert [n for _, n, _ in events] == [1, 2, 3, 2, 1, 1], events
     assert 0 < events[1][0] <= events[4][0] < steps, events  # all mid-schedule
     got, want = torch.load(out, weights_only=True), torch.load(alone, weights_only=True)
@@ -414,7 +303,7 @@ def test_a_suspended_job_resumes_with_its_schedule_and_dataloader_bitwise(tmp_pa
     ):
         workers, out, alone = running
         workers.start("b", out=str(out))
-        workers.wait_for("a", "B joining", lambda e: "grow" in _reasons(e))
+        workers.wait_for("a", "B joining", lambda e: "grow" in reasons(e))
         workers.procs["b"].send_signal(signal.SIGUSR1)
         codes = workers.wait(["a", "b"], timeout=120)
         assert codes == {"a": 0, "b": 0}, workers.stderr("a")[-4000:]

@@ -385,3 +385,72 @@ def test_a_state_of_another_model_is_refused_before_anything_changes() -> None:
         same.load_state_dict(state)
         after = other.stage_module.state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_signal_words_travel_with_the_next_step_only() -> None:
+    ex = _executor(_model())
+    ex.signal(5)
+    assert ex.step(*_batch()).signals == (5,)
+    assert ex.step(*_batch()).signals == (0,)  # reset once a step succeeded
+    ex.signal(lambda: 3)  # read when the step sends its losses
+    assert ex.step(*_batch()).signals == (3,)
+    for bad in (-1, 2**31, True, 1.5):
+        with pytest.raises(ValueError, match="word must be an int in"):
+            ex.signal(bad)
+    ex.close()
+
+
+def test_a_detached_stage_builds_but_does_not_train() -> None:
+    """Note [Building a stage ahead]: stage 1 of 3 built alone holds only its segment."""
+    grid = vflow.pipeline.ProcessGrid.detached(3, 1)
+    assert grid.is_detached and (grid.stage, grid.stages, grid.replicas) == (1, 3, 1)
+    ex = _executor(_model(), pipeline=3, grid=grid)
+    assert list(ex.stage_module.state_dict()) == ["1.2.weight", "1.2.bias"]
+    with pytest.raises(RuntimeError, match=r"holds stage 1 of 3 but has no grid yet"):
+        ex.step(None, None, global_batch_size=B)
+    with pytest.raises(RuntimeError, match="has no grid yet"):
+        ex.infer(None, global_batch_size=B)
+    assert ex.step_count == 0
+    ex.close()
+
+
+@pytest.mark.parametrize(
+    ("stages", "stage", "error"),
+    [
+        (1, 0, "stages must be >= 2"),
+        (2, 2, r"stage must be in \[0, 2\)"),
+        (2, -1, r"stage must be in \[0, 2\)"),
+        (2.0, 0, "stages must be an int"),
+        (2, True, "stage must be an int"),
+    ],
+)
+def test_bad_detached_stages_are_refused(stages: Any, stage: Any, error: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=error):
+        vflow.pipeline.ProcessGrid.detached(stages, stage)
+
+
+def test_abort_group_alone_keeps_the_state_and_the_next_step_works() -> None:
+    ex, reference = _executor(_model()), _executor(_model())
+    ex.step(*_batch())
+    reference.step(*_batch())
+    ex.abort_group()
+    assert ex.grid == vflow.pipeline.ProcessGrid.alone() and ex.step_count == 1
+    ex.step(*_batch(2))
+    reference.step(*_batch(2))
+    for name, value in reference.stage_module.state_dict().items():
+        assert torch.equal(ex.stage_module.state_dict()[name], value), name
+    ex.close()
+    reference.close()
+
+
+def test_a_grid_with_a_stage_behind_every_other_cannot_catch_up() -> None:
+    """Note [Catching up on a grid]: each stage needs a process at the highest step."""
+    from vflow.pipeline.executor import _check_every_stage_caught_up
+
+    two_by_two = vflow.pipeline.ProcessGrid(2, 2, True, 0, 0, None, None, None)
+    # (member, step count, stage) by grid rank: stage 1 has a process at step 4.
+    _check_every_stage_caught_up([[1, 4, 0], [1, 3, 1], [1, 3, 0], [1, 4, 1]], two_by_two)
+    _check_every_stage_caught_up([[0, 0, 0], [0, 0, 1], [0, 0, 0], [0, 0, 1]], two_by_two)
+    # Newcomers (member 0) do not count: only stage 0's members reached step 4.
+    with pytest.raises(ValueError, match=r"stage\(s\) \[1\] of the grid have no process at step 4"):
+        _check_every_stage_caught_up([[1, 4, 0], [1, 3, 1], [1, 4, 0], [0, 0, 1]], two_by_two)

@@ -246,7 +246,10 @@ _INFERRED = ("2x2 1F1B", "1x4", "4x1")
 
 def _moved(rank: int, world_size: int, checkpoint: str) -> dict[str, Any]:
     """2 replicas x 2 stages for a step, then replica 0 alone, then both again; the
-    replica that comes back is a new executor whose model starts from other weights."""
+    replica that comes back is new, its model from other weights: its stage 0 constructs
+    its executor on the grid, its stage 1 builds it ahead on a detached stage and joins
+    with ``reconfigure(newcomer=True)`` (Note [Building a stage ahead]). In the last
+    step every process signals its rank + 1."""
     full = ProcessGrid.of(2)
     ex = _executor(full, 2, deterministic=True)
     _train(ex, range(1))
@@ -259,12 +262,23 @@ def _moved(rank: int, world_size: int, checkpoint: str) -> dict[str, Any]:
     else:
         ex.close()
     again = ProcessGrid.of(2)
+    refused = None
     if rank < 2:
         ex.reconfigure(again)
-    else:
+    elif rank == 2:
         ex = _executor(again, 2, deterministic=True, model_seed=99)
-        assert ex.step_count == 3
-    _train(ex, range(3, STEPS))
+    else:
+        ex = _executor(ProcessGrid.detached(2, 1), 2, deterministic=True, model_seed=99)
+        try:
+            _train(ex, range(3, 4))
+        except RuntimeError as e:
+            refused = str(e)
+        ex.reconfigure(again, newcomer=True)
+    assert ex.step_count == 3
+    _train(ex, range(3, STEPS - 1))
+    ex.signal(rank + 1)
+    _train(ex, range(STEPS - 1, STEPS))
+    signals = ex.last_result.signals  # type: ignore[union-attr]
     moved = _finish(ex)
 
     # The checkpoint of step 1, written by 2 x 2, resumed by 1 replica of 2 stages.
@@ -275,7 +289,7 @@ def _moved(rank: int, world_size: int, checkpoint: str) -> dict[str, Any]:
         vflow.pipeline.load(checkpoint, ex)
         _train(ex, range(1, STEPS))
         resumed = _finish(ex)
-    return {"moved": moved, "resumed": resumed}
+    return {"moved": moved, "resumed": resumed, "signals": signals, "refused": refused}
 
 
 def _refused(rank: int, world_size: int) -> list[str]:
@@ -436,6 +450,8 @@ def test_replicas_leave_and_come_back_and_checkpoints_move_between_grids(tmp_pat
     want = _reference()
     for rank, outcome in enumerate(results):
         _assert_same(outcome["moved"], want, True, f"2 -> 1 -> 2 replicas, rank {rank}")
+        assert outcome["signals"] == (1, 2, 3, 4), (rank, outcome["signals"])
+    assert "has no grid yet" in results[3]["refused"], results[3]["refused"]
     for rank in (2, 3):
         _assert_same(results[rank]["resumed"], want, True, f"2x2's checkpoint on 1x2, rank {rank}")
 

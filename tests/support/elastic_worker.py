@@ -345,8 +345,10 @@ def main(argv: list[str]) -> int:
     if args.fault == "answered":
         knock = Rendezvous.knock
 
-        def knock_then_die(self: Rendezvous, timeout_s: float) -> dict[str, Any] | None:
-            answer = knock(self, timeout_s)
+        def knock_then_die(
+            self: Rendezvous, timeout_s: float, stage: int | None = None
+        ) -> dict[str, Any] | None:
+            answer = knock(self, timeout_s, stage)
             faults.current_step = faults.step
             faults.hit("answered")
             return answer

@@ -39,9 +39,11 @@ SECTION = "### Several machines"
 WAIT_S = 120.0
 
 
-def readme_lines(section: str = SECTION) -> tuple[list[str], list[str]]:
+def readme_lines(
+    section: str = SECTION, script: str = "examples/train_elastic.py"
+) -> tuple[list[str], list[str]]:
     """The store's and the worker's command lines of README.md's ``section`` (by
-    default "### Several machines"), as words."""
+    default "### Several machines"; the worker's runs ``script``), as words."""
     text = README.read_text(encoding="utf-8")
     found = re.search(rf"^{section}\n(.*?)(?=^##)", text, re.MULTILINE | re.DOTALL)
     assert found, f"README.md has no '{section}' section"
@@ -50,7 +52,7 @@ def readme_lines(section: str = SECTION) -> tuple[list[str], list[str]]:
     commands = [shlex.split(line, comments=True) for line in block.group(1).splitlines()]
     commands = [words[:-1] if words[-1:] == ["&"] else words for words in commands if words]
     store = [w for w in commands if w[1:4] == ["-m", "vflow", "rendezvous"]]
-    worker = [w for w in commands if "examples/train_elastic.py" in w]
+    worker = [w for w in commands if script in w]
     assert len(store) == 1 and len(worker) == 1, commands
     return store[0], worker[0]
 

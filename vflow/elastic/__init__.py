@@ -8,9 +8,11 @@ rendezvous inside long-lived workers (``rendezvous``), on a store that ``python 
 vflow rendezvous`` hosts (``server``), where the job's record says which worker set
 owns it, kept across restarts by the store's journal (``record``). Worker scripts
 take the job's options as command-line flags with ``add_job_arguments`` and
-``job_from_args`` (``flags``).
+``job_from_args`` (``flags``). A pipelined job's worker sets are whole replicas
+(``replicas``, Note [Replicas as members]).
 
-May import: vflow.mapping, vflow.planning, vflow.data, vflow.world and vflow.runtime.
+May import: vflow.mapping, vflow.planning, vflow.data, vflow.world, vflow.runtime and
+vflow.pipeline (an elastic job drives either executor).
 """
 
 from vflow.elastic.flags import add_job_arguments, job_from_args

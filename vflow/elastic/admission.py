@@ -51,16 +51,16 @@ import time
 
 import torch.distributed as dist
 
-from vflow.elastic.agreement import POLL_S, LeftOut, Recovery, set_poll_s
-from vflow.elastic.groups import Groups, WorkerSet, publish
+from vflow.elastic.agreement import PARTNERLESS, POLL_S, LeftOut, Recovery, set_poll_s
+from vflow.elastic.groups import AnyExecutor, Groups, SetGroup, WorkerSet, publish
 from vflow.elastic.rendezvous import (
     Rendezvous,
     RendezvousConnectionError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
+from vflow.elastic.replicas import Layout, Workers
 from vflow.elastic.reporting import Reporter
-from vflow.runtime.executor import Executor
 from vflow.world.group import CollectiveError
 from vflow.world.membership import RefusedNewcomers
 
@@ -91,7 +91,8 @@ class Admission:
     ``groups`` makes the sets' groups, ``recovery`` re-forms a set that broke while it
     formed, ``report`` names a lost store or gives up. The job's ``job_id``,
     ``max_workers``, ``join_timeout_s`` and ``max_recoveries`` bound it and go into its
-    errors; ``groups`` holds the join deadline."""
+    errors; ``groups`` holds the join deadline; ``layout`` makes whole replicas of a
+    pipelined job's sets (Note [Replicas as members], vflow/elastic/replicas.py)."""
 
     def __init__(
         self,
@@ -103,7 +104,9 @@ class Admission:
         max_workers: int,
         join_timeout_s: float,
         max_recoveries: int,
+        layout: Layout,
     ) -> None:
+        self.layout = layout
         self.groups = groups
         self.recovery = recovery
         self.report = report
@@ -112,11 +115,15 @@ class Admission:
         self.join_timeout_s = join_timeout_s
         self.max_recoveries = max_recoveries
 
-    def knock(self, rdzv: Rendezvous, ex: Executor, member: bool) -> tuple[WorkerSet, int] | None:
+    def knock(
+        self, rdzv: Rendezvous, ex: AnyExecutor, member: bool
+    ) -> tuple[WorkerSet, int] | None:
         """Asks the running worker set to take this worker in; returns the set it joined
         and how many members it had, or None when the job finished first."""
         try:
-            answer = rdzv.knock(self.join_timeout_s)
+            answer = rdzv.knock(
+                self.join_timeout_s, None if self.layout.stages == 1 else self.layout.stage
+            )
         except RendezvousTimeoutError as e:
             why = (
                 str(e)
@@ -133,6 +140,7 @@ class Admission:
         if answer is None:
             return None
         rnd = rdzv.adopt(str(answer["prefix"]), int(answer["round"]), int(answer["rank"]))
+        self.layout.announce(rnd)
         if answer.get("record") is not None:
             rdzv.joined(answer["record"])
         workers = WorkerSet(rnd, list(answer["ranks"]), int(answer["generation"]))
@@ -146,20 +154,22 @@ class Admission:
         return joined, len(joined.ranks) - len(newcomers)
 
     def admit(
-        self, rdzv: Rendezvous, workers: WorkerSet, ex: Executor, wait: bool
+        self, rdzv: Rendezvous, workers: WorkerSet, ex: AnyExecutor, wait: bool
     ) -> WorkerSet | None:
         """The members' side: lets the workers that knocked into the worker set; returns
         the set (``workers`` itself when nobody knocked after all), or None when workers
         wait on the rendezvous' wait list instead (they need a new round). With ``wait``
         (too few workers), it waits for one up to ``join_timeout_s``."""
-        room = min(self.max_workers, ex.virtual_nodes) - len(workers.ranks)
+        room = self.capacity(ex) - len(workers.ranks)
         deadline = time.monotonic() + self.join_timeout_s
         attempt = 0
         try:
             while True:
-                tickets = rdzv.pending(room)
+                tickets = rdzv.pending(max(room, 0) * self.layout.stages)
                 if tickets or not wait:
-                    grown = let_in(rdzv, workers, ex.step_count, tickets, attempt)
+                    grown = let_in(
+                        rdzv, workers, ex.step_count, tickets, attempt, room, self.layout
+                    )
                     # Waiting, a decision that let nobody in (the knockers did not
                     # acknowledge) is followed by another: every member counts the same.
                     if not wait or grown is not workers:
@@ -180,14 +190,32 @@ class Admission:
         )
         return self.join_set(rdzv, grown, ex, True, newcomers)
 
+    def capacity(self, ex: AnyExecutor) -> int:
+        """The most workers a set may have: ``max_workers``, and a VN for each replica."""
+        return min(self.max_workers, ex.virtual_nodes * self.layout.stages)
+
+    def waiting(self, rdzv: Rendezvous, room: int) -> bool:
+        """Whether workers wait who could join now (this member watches the door: Note
+        [One member watches the door], vflow/elastic/rendezvous.py): with pipelines,
+        knockers that make a whole replica, or a replica's worth on the wait list (Note
+        [Replicas as members])."""
+        if not rdzv.waiting():
+            return False
+        stages = self.layout.stages
+        if stages == 1:
+            return True
+        tickets = rdzv.pending(max(room, 0) * stages)
+        chosen = self.layout.choose(self.layout.ticket_stages(rdzv.job_store, tickets), room)
+        return bool(chosen) or rdzv.wait_list() >= stages
+
     def join_set(
         self,
         rdzv: Rendezvous,
         workers: WorkerSet,
-        ex: Executor,
+        ex: AnyExecutor,
         member: bool,
         newcomers: tuple[int, ...],
-        group: dist.ProcessGroup | None = None,
+        group: SetGroup | None = None,
     ) -> WorkerSet | None:
         """Moves ``ex`` onto ``workers`` (every one of them calls this; ``group``: theirs
         if already built); returns the set it ended on, or None when a failure while it
@@ -212,6 +240,16 @@ class Admission:
                     raise JoinRefused(f"job {self.job_id!r}: {e}") from None
                 _log.warning("vflow elastic: %s; going on without them", e)
                 workers = workers.without(refused)
+                kept = self.layout.shape(rnd, workers.ranks)
+                if rnd.rank not in kept:
+                    # A replica lost a refused newcomer's stage (Note [Replicas as members]).
+                    if rnd.rank in newcomers:
+                        raise JoinRefused(
+                            f"job {self.job_id!r}: {e}; this worker's replica lost a stage with "
+                            "them"
+                        ) from None
+                    raise LeftOut(PARTNERLESS) from None
+                workers = WorkerSet(workers.round, kept, workers.generation)
             except CollectiveError as e:
                 _log.warning(
                     "vflow elastic: a worker failed while the worker set formed; the others "
@@ -242,36 +280,72 @@ class Admission:
 
 
 def let_in(
-    rdzv: Rendezvous, workers: WorkerSet, step: int, tickets: list[int], attempt: int = 0
+    rdzv: Rendezvous,
+    workers: WorkerSet,
+    step: int,
+    tickets: list[int],
+    attempt: int = 0,
+    room: int | None = None,
+    layout: Layout | None = None,
 ) -> WorkerSet | None:
     """Step 3 of Note [Joining a running job], after ``step``: the members of
     ``workers`` agree on whom to let in (``tickets``: the unanswered tickets this member
-    sees, oldest first, as many as there is room) and answer the knockers; returns the
-    grown set, ``workers`` itself when nobody comes in, or None when only the
+    sees, oldest first; ``room``: how many workers the set may take, default all of
+    ``tickets``; ``layout``: whole replicas of a pipeline, Note [Replicas as members];
+    default every worker on its own) and answer the knockers; returns
+    the grown set, ``workers`` itself when nobody comes in, or None when only the
     rendezvous' wait list has workers (they need a new round). ``attempt``: how many
     decisions after the same step came before this one (every member counts the same)."""
     rnd = workers.round
+    job = rdzv.job_store
+    layout = Workers() if layout is None else layout
+    room = len(tickets) if room is None else room
+    stages = layout.ticket_stages(job, tickets)
+    chosen = layout.choose(stages, room)
+    offer = [tickets[i] for i in chosen]
+    # Older than the newest offered and not offered (their replica is not whole yet):
+    # the answered counter moves past them, so they are told to knock again.
+    passed = [t for t in tickets if offer and t < max(offer) and t not in offer]
     # One decision for all members, whatever each one saw: whom to offer a place, or
     # whether only the rendezvous' wait list has workers (they need a round). Its key
     # names the step, which all members act after: a set that let nobody in after one
     # step may let someone in after a later one.
-    proposal = {"tickets": tickets, "round": not tickets and rdzv.wait_list() > 0}
+    proposal = {
+        "tickets": offer,
+        "stages": [stages[i] for i in chosen],
+        "again": passed,
+        "round": not offer and rdzv.wait_list() >= layout.stages,
+    }
     key = f"vflow/admit{workers.generation}/{step}" + (f".{attempt}" if attempt else "")
     decision = json.loads(rnd.store.compare_set(key, "", json.dumps(proposal)))
     offered = [int(t) for t in decision["tickets"]]
     if not offered:
         return None if decision["round"] else workers
+    stage_of = dict(zip(offered, decision["stages"], strict=True))
     # Note [Knockers acknowledge]: tickets are never taken twice in a job's store, so
     # the first offered one names the acknowledgements' key.
     acks = f"acks/{offered[0]}"
     # The member whose view won writes the offers: one write for the set.
-    rdzv.offer(offered, acks, write=decision == proposal)
+    write = decision == proposal
+    if write and decision["again"]:
+        job.multi_set(
+            [f"admit/{t}" for t in decision["again"]],
+            [json.dumps({"again": True})] * len(decision["again"]),
+        )
+    rdzv.offer(offered, acks, write=write)
     acked = rdzv.acknowledged(acks, offered, set_poll_s(len(workers.ranks)))
-    proposal = {"tickets": acked, "ranks": newcomer_ranks(rnd.store, workers.ranks, len(acked))}
+    # The acknowledged ones may no longer make whole replicas: those left over knock again.
+    acked = [acked[i] for i in layout.choose([stage_of[t] for t in acked], room)]
+    proposal = {
+        "tickets": acked,
+        "ranks": newcomer_ranks(rnd.store, workers.ranks, len(acked)),
+        "stages": [stage_of[t] for t in acked],
+    }
     final = json.loads(rnd.store.compare_set(f"{key}/in", "", json.dumps(proposal)))
     decided = [int(t) for t in final["tickets"]]
     newcomers = [int(r) for r in final["ranks"]]
-    grown = workers.successor(workers.ranks + newcomers) if decided else workers
+    layout.tell(rnd, newcomers, [int(s) for s in final["stages"]])
+    grown = workers.successor(layout.shape(rnd, workers.ranks + newcomers)) if decided else workers
     answer = {
         "round": rnd.number,
         "prefix": rnd.prefix,

@@ -100,14 +100,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from vflow.elastic.groups import Groups, WorkerSet, publish
+from vflow.elastic.groups import AnyExecutor, Groups, WorkerSet, publish
 from vflow.elastic.rendezvous import BROKEN, GONE_AFTER_S, SUSPECT_S, Rendezvous
+from vflow.elastic.replicas import Layout, Workers
 from vflow.elastic.reporting import Reporter
-from vflow.runtime.executor import Executor
 from vflow.world import network
 from vflow.world.group import CollectiveError
 
-__all__ = ["POLL_S", "LeftOut", "Recovery", "connected", "set_poll_s"]
+__all__ = ["PARTNERLESS", "POLL_S", "TOO_LATE", "LeftOut", "Recovery", "connected", "set_poll_s"]
 
 # How often a worker waiting on the others looks at the store: a recovering one at their
 # answers and beats, the members waiting for a newcomer at the knocks.
@@ -118,10 +118,18 @@ _SET_POLLS_PER_S = 2500
 _log = logging.getLogger("vflow")
 
 
+TOO_LATE = "it answered after they had agreed on who is left"
+PARTNERLESS = "its replica lost a stage; it waits for a worker of that stage to pair with"
+
+
 class LeftOut(Exception):
     """The survivors of a failure agreed on a worker set without this worker (it
-    answered too late): it asks to join again (Note [Joining a running job],
-    vflow/elastic/admission.py)."""
+    answered too late, or its pipeline replica lost a stage: Note [Replicas as members],
+    vflow/elastic/replicas.py): it asks to join again (Note [Joining a running job],
+    vflow/elastic/admission.py). Its message says why."""
+
+    def __init__(self, why: str = TOO_LATE) -> None:
+        super().__init__(why)
 
 
 class Recovery:
@@ -142,7 +150,11 @@ class Recovery:
         reachable: Callable[[list[str]], list[bool]] = network.reachable,
         refused: Callable[[list[str]], list[bool]] = network.refused,
         tell: Callable[[list[str], str], list[bool]] = network.tell,
+        layout: Layout | None = None,
     ) -> None:
+        # A pipelined job's survivors keep whole replicas (Note [Replicas as members],
+        # vflow/elastic/replicas.py).
+        self.layout: Layout = Workers() if layout is None else layout
         self.groups = groups
         self.report = report
         self.timeout_s = timeout_s
@@ -157,7 +169,7 @@ class Recovery:
         self.agreed_at: float | None = None  # time.monotonic() of the last decision
 
     def recover(
-        self, rdzv: Rendezvous, workers: WorkerSet, ex: Executor, newcomers: tuple[int, ...]
+        self, rdzv: Rendezvous, workers: WorkerSet, ex: AnyExecutor, newcomers: tuple[int, ...]
     ) -> WorkerSet | None:
         """The survivors of a failed collective form their worker set again in the same
         round; returns it, or None when they could not within ``max_recoveries``
@@ -170,7 +182,7 @@ class Recovery:
             self.report.store_lost(ex, e, "the survivors of a failure agreed on who is left")
 
     def _reform(
-        self, rdzv: Rendezvous, workers: WorkerSet, ex: Executor, newcomers: tuple[int, ...]
+        self, rdzv: Rendezvous, workers: WorkerSet, ex: AnyExecutor, newcomers: tuple[int, ...]
     ) -> WorkerSet | None:
         """An agreement and the agreed set's group, again on the next agreement's keys
         when a worker fails while the group forms, up to ``max_recoveries`` times."""
@@ -212,9 +224,14 @@ class Recovery:
         proposal = connected([r for r in workers.ranks if r in missed], missed)
         decided = json.loads(store.compare_set(f"{prefix}/decision", "", json.dumps(proposal)))
         self.agreed_at = time.monotonic()
+        # Whole replicas of the survivors: a survivor whose replica lost a stage is left
+        # out, as one that answered too late.
         if rnd.rank not in decided:
             raise LeftOut
-        return workers.successor(decided)
+        kept = self.layout.shape(rnd, decided)
+        if rnd.rank not in kept:
+            raise LeftOut(PARTNERLESS)
+        return workers.successor(kept)
 
     def _answers(
         self,

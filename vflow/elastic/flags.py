@@ -166,8 +166,11 @@ _METAVARS: dict[Callable[[str], Any], str] = {
 }
 
 
-def add_job_arguments(parser: argparse.ArgumentParser, *options: str, **defaults: Any) -> None:
-    """Adds ``--rdzv HOST:PORT`` and ``--job ID`` (both required) to ``parser``, and a
+def add_job_arguments(
+    parser: argparse.ArgumentParser, *options: str, required: bool = True, **defaults: Any
+) -> None:
+    """Adds ``--rdzv HOST:PORT`` and ``--job ID`` (both required, unless ``required`` is
+    False: a script that runs elastically only when given them) to ``parser``, and a
     flag for each ElasticJob option named in ``options`` (with ElasticJob's default) or
     in ``defaults`` (with the given default), e.g.
     ``add_job_arguments(parser, "keep_alive_s", timeout_s=30.0, checkpoint=None)``.
@@ -188,7 +191,7 @@ def add_job_arguments(parser: argparse.ArgumentParser, *options: str, **defaults
     parser.add_argument(
         "--rdzv",
         dest="rendezvous",
-        required=True,
+        required=required,
         type=_endpoint,
         metavar="HOST:PORT",
         help="the rendezvous store (python -m vflow rendezvous)",
@@ -196,7 +199,7 @@ def add_job_arguments(parser: argparse.ArgumentParser, *options: str, **defaults
     parser.add_argument(
         "--job",
         dest="job_id",
-        required=True,
+        required=required,
         type=_job_id,
         metavar="ID",
         help="the job's id on that store; every worker of the job passes the same",
@@ -229,5 +232,7 @@ def job_from_args(args: argparse.Namespace, **fixed: Any) -> ElasticJob:
             f"fixed options {both} also have flags ({', '.join(_OPTIONS[n][0] for n in both)}); "
             "give each option one source"
         )
+    if getattr(args, "rendezvous", None) is None or getattr(args, "job_id", None) is None:
+        raise ValueError("an elastic job needs both --rdzv and --job")
     options = {name: getattr(args, name) for name in flagged}
     return ElasticJob(args.rendezvous, args.job_id, **options, **fixed)

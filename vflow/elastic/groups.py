@@ -19,13 +19,27 @@ import logging
 import os
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
 from vflow.elastic.rendezvous import Rendezvous, Round, round_group
+from vflow.pipeline.executor import PipelineExecutor
+from vflow.pipeline.grid import ProcessGrid
 from vflow.runtime.executor import Executor
 from vflow.world import network
-from vflow.world.group import CollectiveError, failure_words
+from vflow.world.group import (
+    CollectiveError,
+    end_default_group,
+    failure_words,
+    start_default_group,
+)
+
+# What an elastic job trains: one worker per process of a plain executor, or one stage
+# of a pipeline replica per process (Note [Replicas as members], vflow/elastic/replicas.py).
+AnyExecutor = Executor | PipelineExecutor
+# A worker set's group: a process group, or a pipeline's grid (Note [A grid per set]).
+SetGroup = Any
 
 __all__ = [
     "GROUP_REQUESTS_PER_S",
@@ -96,7 +110,8 @@ class Groups:
     Gloo binds (None: Gloo reads ``GLOO_SOCKET_IFNAME`` itself). A group's creation is
     bounded by ``group_timeout_s``, or ``join_deadline_s`` when newcomers join it (None:
     Note [Bounds that grow with the set]). On NCCL it keeps the group the executor is
-    on, to shut it down once the executor has moved on."""
+    on, to shut it down once the executor has moved on. With ``stages`` > 1 a set's
+    group is a pipeline's grid (Note [A grid per set])."""
 
     def __init__(
         self,
@@ -105,8 +120,10 @@ class Groups:
         gloo_interface: str | None,
         group_timeout_s: float | None = None,
         join_deadline_s: float | None = None,
+        stages: int = 1,
     ) -> None:
         self.backend = backend
+        self.stages = stages
         self.timeout_s = timeout_s
         self.group_timeout_s = group_timeout_s
         self.join_deadline_s = join_deadline_s
@@ -131,13 +148,17 @@ class Groups:
 
     def make(
         self, rnd: Round, name: str, ranks: list[int] | None, joining: bool = False
-    ) -> dist.ProcessGroup:
+    ) -> SetGroup:
         """The group of ``ranks`` (None: the round's all) named ``name`` in ``rnd``,
         ``joining``: with newcomers; a peer that never connects within ``bound_s`` (dead
-        or hung) is a CollectiveError, like a failed collective."""
+        or hung) is a CollectiveError, like a failed collective. With ``stages`` > 1,
+        the grid of ``ranks`` in grid order (Note [A grid per set])."""
         start = time.monotonic()
         bound = self.bound_s(rnd.world_size if ranks is None else len(ranks), joining)
         try:
+            if self.stages > 1:
+                assert ranks is not None  # a pipelined set is always shaped
+                return self._grid(rnd, name, ranks, bound)
             return round_group(
                 rnd,
                 timedelta(seconds=bound),
@@ -152,27 +173,53 @@ class Groups:
                 f"creating the process group of round {rnd.number} ({name}) {outcome}: {e}"
             ) from e
 
-    def move(self, ex: Executor, group: dist.ProcessGroup, newcomer: bool = False) -> None:
+    def _grid(self, rnd: Round, name: str, ranks: list[int], bound: float) -> ProcessGrid:
+        if self.backend == "gloo" and self._gloo_interface is not None:
+            # The default group and new_group read Gloo's interface from there.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", self._gloo_interface)
+        start_default_group(
+            dist.PrefixStore(f"vflow/{name}/grid", rnd.group_store),
+            ranks.index(rnd.rank),
+            len(ranks),
+            self.backend,
+            timedelta(seconds=bound),
+        )
+        return ProcessGrid.of(self.stages, timeout=self.timeout_s)
+
+    @staticmethod
+    def world_group(group: SetGroup) -> dist.ProcessGroup | None:
+        """The process group of all of a set's workers."""
+        return group.group if isinstance(group, ProcessGrid) else group
+
+    def move(self, ex: AnyExecutor, group: SetGroup, newcomer: bool = False) -> None:
         """``ex`` onto ``group`` (Note [Joining a worker set]); on NCCL, the group it
         leaves is shut down (Note [NCCL rounds])."""
+        if isinstance(ex, PipelineExecutor):
+            ex.reconfigure(group, catch_up=True, newcomer=newcomer)
+            return
         ex.reconfigure(group, timeout=self.timeout_s, catch_up=True, newcomer=newcomer)
         if self.backend == "nccl":
             previous, self._nccl_group = self._nccl_group, group
             if previous is not None:
                 previous.shutdown()
 
-    def discard(self, group: dist.ProcessGroup) -> None:
+    def discard(self, group: SetGroup) -> None:
         """A group that will not be used: NCCL's communicators need an abort (Note [NCCL
-        rounds]); Gloo's sockets close with the last reference."""
-        if self.backend == "nccl":
+        rounds]); Gloo's sockets close with the last reference; a grid's default group
+        is destroyed with every group made on it."""
+        if isinstance(group, ProcessGrid):
+            end_default_group()
+        elif self.backend == "nccl":
             group.abort()
 
-    def abort(self, ex: Executor) -> None:
+    def abort(self, ex: AnyExecutor) -> None:
         """Drops ``ex``'s group at once after a failure (``Executor.abort_group``): a peer
         still blocked on it fails now, not at its timeout (Note [Recovering within the
-        round], vflow/elastic/agreement.py)."""
+        round], vflow/elastic/agreement.py); a grid's default group goes with it."""
         self._nccl_group = None
         ex.abort_group()
+        if self.stages > 1:
+            end_default_group()
 
 
 def next_member(workers: WorkerSet) -> int | None:
@@ -184,14 +231,17 @@ def next_member(workers: WorkerSet) -> int | None:
     return ranks[(ranks.index(workers.round.rank) + 1) % len(ranks)]
 
 
-def publish(rdzv: Rendezvous, ex: Executor, workers: WorkerSet) -> None:
+def publish(rdzv: Rendezvous, ex: AnyExecutor, workers: WorkerSet) -> None:
     """The set's lowest member says who is in it, for knockers to probe (Note [Probing
     a peer], vflow/world/network.py), and watches for them (Note [One member watches
     the door], vflow/elastic/rendezvous.py) and reads the beats of the member after it
     (Note [The next worker's beats]); a "broken" message for the set interrupts the
     executor's waits on its group (Note [A survivor blocked on survivors],
     vflow/elastic/agreement.py); training goes on without the store."""
-    rdzv.interrupt_on_broken(workers.key, ex.world.interrupt)
+    # Held weakly: a pipeline's whole grid is the executor's (its ``world`` is made
+    # on each read), a plain executor's group its World's.
+    interrupt = ex.interrupt if isinstance(ex, PipelineExecutor) else ex.world.interrupt
+    rdzv.interrupt_on_broken(workers.key, interrupt)
     rdzv.watch(ex.rank == 0, next_member(workers))
     if ex.rank == 0:
         try:
@@ -199,6 +249,17 @@ def publish(rdzv: Rendezvous, ex: Executor, workers: WorkerSet) -> None:
         except dist.DistError:
             pass
 
+
+# Note [A grid per set]
+# torch.distributed.pipelining addresses a stage's peers by their ranks in the default
+# group (Note [The grid], vflow/pipeline/grid.py), which a group built on the round's
+# store alone (round_group) is not part of. So each worker set of a pipelined job is a
+# default group of its own: the set's workers, in grid order (Note [Replicas as
+# members], vflow/elastic/replicas.py), on the set's keys of the round's store, and the
+# grid's groups made on it (ProcessGrid.of). Making the next set's destroys the previous
+# one with every group made on it, which is what a crash needs too: the connections of
+# the broken grid close, and peers blocked on this worker fail at once (``abort``).
+# Only the members of the set take part: a worker left out never connects to it.
 
 # Note [NCCL rounds]
 # Every worker set of a job gets its own group, hence its own NCCL communicators, which

@@ -163,8 +163,15 @@ import torch.distributed as dist
 
 from vflow.elastic import record as records
 from vflow.elastic.admission import Admission, JoinRefused, RoundRefused
-from vflow.elastic.agreement import LeftOut, Recovery
-from vflow.elastic.groups import Groups, WorkerSet, choose_interface, prepare_nccl, publish
+from vflow.elastic.agreement import PARTNERLESS, LeftOut, Recovery
+from vflow.elastic.groups import (
+    AnyExecutor,
+    Groups,
+    WorkerSet,
+    choose_interface,
+    prepare_nccl,
+    publish,
+)
 from vflow.elastic.rendezvous import (
     GONE_AFTER_S,
     Rendezvous,
@@ -177,6 +184,7 @@ from vflow.elastic.rendezvous import (
     parse_endpoint,
     single_group,
 )
+from vflow.elastic.replicas import Layout, Replicas, Workers
 from vflow.elastic.reporting import (
     Event,
     Reporter,
@@ -184,6 +192,8 @@ from vflow.elastic.reporting import (
     say_nobody_joined,
     say_recovered,
 )
+from vflow.pipeline.executor import PipelineExecutor
+from vflow.pipeline.grid import ProcessGrid
 from vflow.runtime import checkpoint as checkpoint_io
 from vflow.runtime.executor import Executor
 from vflow.runtime.results import StepResult
@@ -197,8 +207,9 @@ WAITING = 1  # signal bit: this worker sees workers waiting to join
 LEAVE = 2  # signal bit: this worker leaves after this step
 SUSPEND = 4  # signal bit: the whole job stops after this step, saved (Note [Suspending a job])
 
-MakeExecutor = Callable[[dist.ProcessGroup, float], Executor]
-TrainStep = Callable[[Executor, int], StepResult]
+# make_executor(group, timeout_s), or with stages > 1 make_executor(grid, timeout_s).
+MakeExecutor = Callable[[Any, float], AnyExecutor]
+TrainStep = Callable[[Any, int], StepResult]
 
 _log = logging.getLogger("vflow")
 
@@ -236,7 +247,8 @@ class ElasticJob:
         min_workers / max_workers: bounds on the worker count. A round forms once
             ``min_workers`` are there (after the last call); beyond ``max_workers``,
             workers wait (without a time limit) until a place is free or the job ends.
-            ``max_workers`` defaults to V (every worker needs a VN: a round with more
+            ``min_workers`` defaults to 1 (``stages``, one replica, for a pipelined
+            job); ``max_workers`` defaults to V (every worker needs a VN: a round with more
             workers than V refuses the newcomers beyond V, which raise RuntimeError).
         timeout_s: bound on every collective of the job's groups: how long a hung
             worker (SIGSTOP, a wedged host) stalls the others before they drop it.
@@ -284,6 +296,14 @@ class ElasticJob:
             if set, else the interface that reaches the store (Note [The interface that
             reaches the store], vflow/world/network.py). ``self.interface`` is the one
             chosen.
+        stages / stage: a pipelined job (Note [Replicas as members],
+            vflow/elastic/replicas.py): every worker is one process of a replica of
+            ``stages`` stages and holds ``stage`` for its whole life; ``make_executor``
+            gets that stage's detached grid and builds a ``vflow.PipelineExecutor`` on
+            it, and the worker sets are whole replicas, a process whose replica lost a
+            stage waiting until a worker of that stage comes. ``min_workers`` and
+            ``max_workers`` count processes (default ``max_workers``: V replicas).
+            Suspending, and so ``checkpoint``, are not built for pipelines.
 
     The rendezvous' host must resolve and the interface exist: a ValueError naming
     either is raised here, before anything is started.
@@ -294,7 +314,7 @@ class ElasticJob:
         rendezvous: str,
         job_id: str,
         *,
-        min_workers: int = 1,
+        min_workers: int | None = None,
         max_workers: int | None = None,
         timeout_s: float = 10.0,
         group_timeout_s: float | None = None,
@@ -310,8 +330,33 @@ class ElasticJob:
         handle_sigterm: bool = True,
         backend: str = "gloo",
         interface: str | None = None,
+        stages: int = 1,
+        stage: int | None = None,
     ) -> None:
         host, port = parse_endpoint(rendezvous)
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+            raise ValueError(f"stages must be an int >= 1, got {stages!r}")
+        if min_workers is None:
+            min_workers = stages  # a replica
+        elif isinstance(min_workers, int) and 1 <= min_workers < stages:
+            raise ValueError(
+                f"min_workers must be >= stages={stages} (a replica's processes), got {min_workers}"
+            )
+        if stages > 1:
+            if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < stages:
+                raise ValueError(
+                    f"stage must be this worker's stage, an int in [0, {stages}), with "
+                    f"stages={stages}; got {stage!r}"
+                )
+            if checkpoint is not None:
+                raise ValueError(
+                    f"checkpoint={checkpoint!r} with stages={stages}: suspending a pipelined "
+                    "job, and saving its state when it cannot go on, are not built; pass "
+                    "checkpoint=None (a pipeline's state saves per stage with "
+                    "vflow.pipeline.save)"
+                )
+        elif stage not in (None, 0):
+            raise ValueError(f"stage={stage!r} needs stages > 1 (a pipelined job)")
         if not isinstance(job_id, str) or not job_id or any(c.isspace() for c in job_id):
             raise ValueError(f"job_id must be a non-empty string without spaces, got {job_id!r}")
         for name, value in (
@@ -368,6 +413,9 @@ class ElasticJob:
         self.checkpoint = checkpoint
         self.handle_sigterm = handle_sigterm
         self.backend = backend
+        self.stages = stages
+        self.stage = stage if stages > 1 else None
+        self._layout: Layout = Workers() if self.stage is None else Replicas(stages, self.stage)
         self.events: list[Event] = []
         self._leave = threading.Event()
         self._suspend = threading.Event()
@@ -428,7 +476,7 @@ class ElasticJob:
 
     def run(
         self, make_executor: MakeExecutor, train_step: TrainStep, steps: int
-    ) -> Executor | None:
+    ) -> AnyExecutor | None:
         """Trains until the job has taken ``steps`` steps; returns this worker's executor
         (every worker's holds the same state), or None when the job finished before this
         worker could join. Returns early, with the executor, when this worker left, and
@@ -502,7 +550,9 @@ class ElasticJob:
         """The protocols of one ``run``, on the job's settings as they are when it
         starts."""
         if self._groups is None:
-            self._groups = Groups(self.backend, self.timeout_s, self._gloo_interface)
+            self._groups = Groups(
+                self.backend, self.timeout_s, self._gloo_interface, stages=self.stages
+            )
         groups = self._groups
         groups.timeout_s = self.timeout_s
         groups.group_timeout_s = self.group_timeout_s
@@ -522,6 +572,7 @@ class ElasticJob:
             timeout_s=self.timeout_s,
             max_recoveries=self.max_recoveries,
             gone_after_s=self.gone_after_s,
+            layout=self._layout,
         )
         admission = Admission(
             groups,
@@ -531,6 +582,7 @@ class ElasticJob:
             max_workers=max_workers,
             join_timeout_s=self.join_timeout_s,
             max_recoveries=self.max_recoveries,
+            layout=self._layout,
         )
         return _Protocols(groups, report, recovery, admission)
 
@@ -542,10 +594,12 @@ class ElasticJob:
         make_executor: MakeExecutor,
         train_step: TrainStep,
         steps: int,
-    ) -> Executor | None:
+    ) -> AnyExecutor | None:
         ex = self._build(make_executor)
         # Known only now: the default max_workers is V, the executor's.
-        max_workers = ex.virtual_nodes if self.max_workers is None else self.max_workers
+        max_workers = (
+            ex.virtual_nodes * self.stages if self.max_workers is None else self.max_workers
+        )
         if max_workers < self.min_workers:
             raise ValueError(
                 f"max_workers defaults to V={max_workers}, below min_workers="
@@ -583,8 +637,8 @@ class ElasticJob:
             if need_round or record is None:
                 try:
                     joined = self._round(rdzv, p, ex, member, resumed)
-                except LeftOut:
-                    say_left_out()
+                except LeftOut as e:
+                    say_left_out(e)
                     outcome = dataclasses.replace(outcome, reason="crash", left_out=True)
                     need_round = False
                     continue
@@ -612,8 +666,8 @@ class ElasticJob:
             else:
                 try:
                     joined = p.admission.knock(rdzv, ex, member)
-                except LeftOut:
-                    say_left_out()
+                except LeftOut as e:
+                    say_left_out(e)
                     continue
                 except RoundRefused as e:
                     _log.log(e.level, "vflow elastic: %s; forming the next round", e)
@@ -671,8 +725,8 @@ class ElasticJob:
                 if outcome.reason in ("grow", "few"):
                     try:
                         grown = p.admission.admit(rdzv, workers, ex, wait=outcome.reason == "few")
-                    except LeftOut:
-                        say_left_out()
+                    except LeftOut as e:
+                        say_left_out(e)
                         outcome = dataclasses.replace(outcome, reason="crash", left_out=True)
                         break
                     if grown is None:
@@ -688,8 +742,8 @@ class ElasticJob:
                     break
                 try:
                     recovered = p.recovery.recover(rdzv, workers, ex, newcomers=())
-                except LeftOut:
-                    say_left_out()
+                except LeftOut as e:
+                    say_left_out(e)
                     outcome = dataclasses.replace(outcome, left_out=True)
                     break
                 if recovered is None:
@@ -703,8 +757,8 @@ class ElasticJob:
                 if ex.world_size < self.min_workers:
                     try:
                         grown = p.admission.admit(rdzv, workers, ex, wait=True)
-                    except LeftOut:
-                        say_left_out()
+                    except LeftOut as e:
+                        say_left_out(e)
                         outcome = dataclasses.replace(outcome, left_out=True)
                         break
                     if grown is None:
@@ -739,7 +793,7 @@ class ElasticJob:
 
     # ---- Note [Suspending a job] ------------------------------------------------------
 
-    def _resume(self, ex: Executor, record: records.Record) -> None:
+    def _resume(self, ex: AnyExecutor, record: records.Record) -> None:
         """Loads the suspended job's state (its record: ``record``) from this worker's
         checkpoint into ``ex``; a RuntimeError naming the job, the step and the path
         when it cannot."""
@@ -768,7 +822,7 @@ class ElasticJob:
             )
         _log.info("vflow elastic: resuming job %r at step %d from %s", self.job_id, step, path)
 
-    def _save_suspended(self, ex: Executor) -> bool:
+    def _save_suspended(self, ex: AnyExecutor) -> bool:
         """Step 1 of Note [Suspending a job]: rank 0 writes the state to its checkpoint
         and every member learns whether it did (a broadcast; CollectiveError when a peer
         is lost). When it did not, every member drops the request and says so."""
@@ -796,7 +850,7 @@ class ElasticJob:
         return False
 
     def _mark_suspended(
-        self, rdzv: Rendezvous, p: _Protocols, ex: Executor, outcome: _Outcome, number: int
+        self, rdzv: Rendezvous, p: _Protocols, ex: AnyExecutor, outcome: _Outcome, number: int
     ) -> None:
         """Steps 2 and 3 of Note [Suspending a job], once the state is saved."""
         step = ex.step_count
@@ -827,7 +881,7 @@ class ElasticJob:
         )
 
     def _told_suspended(
-        self, rdzv: Rendezvous, record: records.Record, ex: Executor | None
+        self, rdzv: Rendezvous, record: records.Record, ex: AnyExecutor | None
     ) -> None:
         """The job was suspended while this worker waited to join it (``ex``: a member
         out of its worker set, else None): ``run`` returns None, with ``suspended``."""
@@ -851,7 +905,7 @@ class ElasticJob:
         rdzv.close()
 
     def _round(
-        self, rdzv: Rendezvous, p: _Protocols, ex: Executor, member: bool, resumed: bool
+        self, rdzv: Rendezvous, p: _Protocols, ex: AnyExecutor, member: bool, resumed: bool
     ) -> tuple[WorkerSet, int] | None:
         """A new rendezvous round and the worker set it forms (the job's start, or a
         fallback: Note [Elastic state machine]); None when the job finished first.
@@ -864,10 +918,28 @@ class ElasticJob:
             p.report.give_up(ex if member else None, e)
         except (RendezvousConnectionError, RendezvousStateError, dist.DistError) as e:
             p.report.store_lost(ex if member else None, e, "joining the next round")
+        self._layout.announce(rnd)
         return self._form(rdzv, p, rnd, ex, member, resumed)
 
-    def _build(self, make_executor: MakeExecutor) -> Executor:
-        """Note [Joining ahead]: the executor, built before this worker asks to join."""
+    def _build(self, make_executor: MakeExecutor) -> AnyExecutor:
+        """Note [Joining ahead]: the executor, built before this worker asks to join; a
+        pipeline's stage on a detached grid (Note [Building a stage ahead],
+        vflow/pipeline/executor.py)."""
+        if self.stages > 1:
+            assert self.stage is not None
+            ex = make_executor(ProcessGrid.detached(self.stages, self.stage), self.timeout_s)
+            if not isinstance(ex, PipelineExecutor):
+                raise TypeError(
+                    f"with stages={self.stages}, make_executor(grid, timeout_s) must return a "
+                    f"vflow.PipelineExecutor on that grid, got {type(ex).__name__}"
+                )
+            if ex.grid.stages != self.stages or ex.grid.stage != self.stage:
+                raise ValueError(
+                    f"make_executor(grid, timeout_s) must build its PipelineExecutor on the grid "
+                    f"it is given (stage {self.stage} of {self.stages}), got stage "
+                    f"{ex.grid.stage} of {ex.grid.stages}"
+                )
+            return ex
         with warnings.catch_warnings():
             # plan="auto" warns that one process has nothing to plan: this one will have.
             warnings.filterwarnings("ignore", message="plan='auto' on a single process")
@@ -881,7 +953,7 @@ class ElasticJob:
         rdzv: Rendezvous,
         p: _Protocols,
         rnd: Round,
-        ex: Executor,
+        ex: AnyExecutor,
         member: bool,
         resumed: bool,
     ) -> tuple[WorkerSet, int]:
@@ -892,19 +964,31 @@ class ElasticJob:
         newcomer raises JoinRefused. ``resumed``: ``ex`` holds the suspended job's state
         (Note [Suspending a job]): in a round without members, such workers resume the
         job as its members."""
-        workers = WorkerSet(rnd, list(range(rnd.world_size)))
-        group = p.groups.make(rnd, workers.name, None)
-        world = World(group, timedelta(seconds=self.timeout_s))
+        try:
+            ranks = self._layout.shape(rnd, list(range(rnd.world_size)))
+        except dist.DistError as e:  # a worker of the round died before it said its stage
+            raise CollectiveError(
+                f"round {rnd.number} of job {self.job_id!r}: a worker never said which stage "
+                f"it holds: {e}"
+            ) from e
+        if rnd.rank not in ranks:
+            # Its stage has more workers in the round than another (Note [Replicas as
+            # members]): it knocks once the others hold the job's record.
+            self._await_record(rdzv)
+            raise LeftOut(PARTNERLESS)
+        workers = WorkerSet(rnd, ranks)
+        group = p.groups.make(rnd, workers.name, None if self.stages == 1 else ranks)
+        world = World(p.groups.world_group(group), timedelta(seconds=self.timeout_s))
         mine = [int(member), ex.virtual_nodes, int(resumed)]
         rows = world.gather_ints(mine, "checking the round's members", None)
         del world
-        members = [rank for rank, (is_member, _, _) in enumerate(rows) if is_member]
-        virtual_nodes = rows[members[0]][1] if members else ex.virtual_nodes
-        if rnd.world_size > virtual_nodes:
-            # Every worker needs a VN: newcomers beyond V are refused (they end with this
-            # error), and the round is formed again without them.
-            newcomers = [rank for rank in range(rnd.world_size) if rank not in members]
-            refused = newcomers[virtual_nodes - len(members) :]
+        members = [ranks[i] for i, (is_member, _, _) in enumerate(rows) if is_member]
+        virtual_nodes = rows[ranks.index(members[0])][1] if members else ex.virtual_nodes
+        if len(ranks) > virtual_nodes * self.stages:
+            # Every worker (replica) needs a VN: newcomers beyond V are refused (they end
+            # with this error), and the round is formed again without them.
+            newcomers = [rank for rank in ranks if rank not in members]
+            refused = newcomers[virtual_nodes * self.stages - len(members) :]
             if rnd.rank in refused:
                 raise JoinRefused(
                     f"job {self.job_id!r} runs V={virtual_nodes} virtual nodes, at most one "
@@ -938,7 +1022,7 @@ class ElasticJob:
                 rdzv.joined(current)
         # A round resuming a suspended job: the workers that loaded its checkpoint hold
         # the job's state, as members would.
-        holders = members or [rank for rank, (_, _, loaded) in enumerate(rows) if loaded]
+        holders = members or [ranks[i] for i, (_, _, loaded) in enumerate(rows) if loaded]
         newcomers = tuple(r for r in workers.ranks if r not in holders)
         joined = p.admission.join_set(
             rdzv, workers, ex, member or rnd.rank in holders, newcomers, group
@@ -952,6 +1036,14 @@ class ElasticJob:
                 logging.WARNING,
             )
         return joined, len(members)
+
+    def _await_record(self, rdzv: Rendezvous) -> None:
+        """Until the job has a record (its workers started it), up to ``join_timeout_s``:
+        a worker left out of the job's first round then knocks rather than asking for
+        another round, which would stop the others."""
+        deadline = time.monotonic() + self.join_timeout_s
+        while self._record(rdzv) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def _record(self, rdzv: Rendezvous) -> records.Record | None:
         """The job's record (Note [Fencing a job], vflow/elastic/record.py): with one,
@@ -967,7 +1059,7 @@ class ElasticJob:
         rdzv: Rendezvous,
         p: _Protocols,
         workers: WorkerSet,
-        ex: Executor,
+        ex: AnyExecutor,
         train_step: TrainStep,
         steps: int,
     ) -> tuple[_Outcome, WorkerSet]:
@@ -1007,12 +1099,12 @@ class ElasticJob:
                 p.groups.abort(ex)
                 return _Outcome("crash", time.monotonic(), ex.world_size, evicted=True), workers
             # A full worker set does not look at who waits (they wait for a place).
-            room = len(workers.ranks) < min(p.admission.max_workers, ex.virtual_nodes)
+            room = p.admission.capacity(ex) - len(workers.ranks)
 
-            def word(room: bool = room) -> int:
+            def word(room: int = room) -> int:
                 # Read by the step as late as it can send it: a knock or a SIGTERM
                 # that arrives during its forward passes acts after this step.
-                waiting = WAITING if room and rdzv.waiting() else 0
+                waiting = WAITING if room > 0 and p.admission.waiting(rdzv, room) else 0
                 leave = LEAVE if self._leave.is_set() else 0
                 return waiting | leave | (SUSPEND if self._suspend.is_set() else 0)
 
@@ -1044,6 +1136,19 @@ class ElasticJob:
                 if ex.rank in leavers:
                     return _Outcome("left", seen), workers
                 workers = workers.without([workers.ranks[r] for r in leavers])
+                kept = self._layout.shape(rnd, workers.ranks)
+                if rnd.rank not in kept:
+                    # Its replica lost a stage with the leavers (Note [Replicas as
+                    # members]): out of the set, it knocks until a worker of that stage
+                    # comes.
+                    _log.info(
+                        "vflow elastic: this worker's replica lost a stage to the workers "
+                        "leaving after step %d; it waits to join again",
+                        step,
+                    )
+                    p.groups.abort(ex)
+                    return _Outcome("crash", seen, len(kept), evicted=True, left_out=True), workers
+                workers = WorkerSet(rnd, kept, workers.generation)
                 try:
                     group = p.groups.make(rnd, workers.name, workers.ranks)
                     p.groups.move(ex, group)

@@ -821,12 +821,13 @@ class Rendezvous:
 
     # ---- knocking (Note [Joining a running job], vflow/elastic/admission.py) ---------
 
-    def knock(self, timeout_s: float) -> dict[str, Any] | None:
+    def knock(self, timeout_s: float, stage: int | None = None) -> dict[str, Any] | None:
         """Asks the running job's worker set to take this worker in, without a round
         (Note [Joining a running job], vflow/elastic/admission.py); returns the members'
         answer, or None when the job finished first. Raises RendezvousTimeoutError
         after ``timeout_s``, also when this worker cannot reach a member (Note [Probing
-        a peer])."""
+        a peer]). ``stage``: the pipeline stage this worker holds, said beside its
+        ticket (Note [Replicas as members], vflow/elastic/replicas.py)."""
         # Out of any round it was in: its poller no longer beats there, so that peers
         # recovering without it do not wait for it (Note [Beats]).
         with self._lock:
@@ -839,6 +840,8 @@ class Rendezvous:
                 return None
             job = self.job_store
             ticket = int(job.add(_KNOCKS, 1))
+            if stage is not None:
+                job.set(f"stage/{ticket}", str(stage))
             offer = self._await_answer(job, f"admit/{ticket}", deadline, timeout_s)
             if offer is None:
                 return None

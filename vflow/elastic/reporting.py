@@ -40,8 +40,8 @@ import logging
 import time
 from typing import NoReturn
 
+from vflow.elastic.groups import AnyExecutor
 from vflow.runtime import checkpoint as checkpoint_io
-from vflow.runtime.executor import Executor
 from vflow.world.group import CollectiveError
 
 __all__ = ["Event", "Reporter", "say_left_out", "say_nobody_joined", "say_recovered"]
@@ -103,7 +103,7 @@ class Reporter:
         self,
         reason: str,
         seen: float,
-        ex: Executor,
+        ex: AnyExecutor,
         round_number: int,
         agreed: float | None = None,
     ) -> None:
@@ -141,7 +141,7 @@ class Reporter:
             return "worker lost", " (the others said so: this worker waited on a live peer)"
         return "worker lost", ""
 
-    def store_lost(self, ex: Executor | None, error: Exception, doing: str) -> NoReturn:
+    def store_lost(self, ex: AnyExecutor | None, error: Exception, doing: str) -> NoReturn:
         """Note [The store during a round]."""
         self.save_and_raise(
             ex,
@@ -151,7 +151,7 @@ class Reporter:
             " (pass checkpoint= to keep a worker's state when this happens)",
         )
 
-    def give_up(self, ex: Executor | None, error: Exception) -> NoReturn:
+    def give_up(self, ex: AnyExecutor | None, error: Exception) -> NoReturn:
         self.save_and_raise(
             ex,
             error,
@@ -161,7 +161,7 @@ class Reporter:
         )
 
     def save_and_raise(
-        self, ex: Executor | None, error: Exception, what: str, unsaved: str
+        self, ex: AnyExecutor | None, error: Exception, what: str, unsaved: str
     ) -> NoReturn:
         """The job cannot go on for this worker: writes its state to ``checkpoint`` (if
         given, and if it has trained in the job) and raises a RuntimeError saying
@@ -174,15 +174,15 @@ class Reporter:
         raise RuntimeError(f"job {self.job_id!r}: {what}{saved}") from error
 
 
-def say_left_out() -> None:
+def say_left_out(why: object) -> None:
+    """``why``: the LeftOut raised, whose message says why."""
     _log.warning(
-        "vflow elastic: the others went on without this worker (it answered after they "
-        "had agreed on who is left); joining the job again"
+        "vflow elastic: the others went on without this worker (%s); joining the job again", why
     )
 
 
 def say_recovered(
-    ex: Executor, members: int, workers: int, failed_step: int | None, left_out: bool
+    ex: AnyExecutor, members: int, workers: int, failed_step: int | None, left_out: bool
 ) -> None:
     """How a change after a failure ended (Note [Saying what a recovery does]): ``ex``
     on its new worker set, which has ``members`` of the job's members; ``workers``: the
@@ -209,7 +209,7 @@ def say_recovered(
         )
 
 
-def say_nobody_joined(ex: Executor) -> None:
+def say_nobody_joined(ex: AnyExecutor) -> None:
     # Every newcomer was refused or failed: the worker set did not change.
     _log.info(
         "vflow elastic: nobody joined; going on at step %d with the same %d worker(s)",

@@ -7,7 +7,7 @@ stage that reports each VN's gradients to vflow's buffers (``stage``) and a trai
 state that loads on any grid (``state``).
 
 May import: vflow.mapping, vflow.planning, vflow.data, vflow.world and vflow.runtime. Never the
-elastic room: both drive executors, neither drives the other.
+elastic room, which drives pipelines from above (vflow/elastic/replicas.py).
 """
 
 from vflow.pipeline.checkpoint import load, save

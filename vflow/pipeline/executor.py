@@ -64,11 +64,18 @@ from vflow.runtime.module_buffers import BufferRule
 from vflow.runtime.pre_step_hooks import PreStepHooks
 from vflow.runtime.reduction import Reduction, for_kind
 from vflow.runtime.registered_state import RegisteredState, registered_from
-from vflow.runtime.results import PhaseTimings, StepResult
+from vflow.runtime.results import PhaseTimings, SignalWord, StepResult
 from vflow.runtime.step_cycle import StepParts, run_step
 from vflow.runtime.step_run import profiled
 from vflow.world import membership
-from vflow.world.group import CollectiveError, PendingSum, World, check_plan
+from vflow.world.group import (
+    CollectiveError,
+    PendingSum,
+    World,
+    backend_name,
+    check_plan,
+    retire,
+)
 
 LossFn = Callable[[Any, Any], Any]
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -225,6 +232,7 @@ class PipelineExecutor:
         self.skipped_steps = 0
         self._registered = RegisteredState()
         self._pre_step_hooks = PreStepHooks()
+        self._signal = SignalWord()
         self._vn_inputs = VNBatchSource(bool(config.deterministic), vn_transform)
         self._prefetcher = Prefetcher(params[0].device, config.prefetch)
         self._feed: _InputFeed | None = None  # the first stage's VN inputs, during a step
@@ -296,6 +304,34 @@ class PipelineExecutor:
     @property
     def grid(self) -> ProcessGrid:
         return self._grid
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the grid (``grid.rank``): the index of its word in
+        ``StepResult.signals``."""
+        return self._grid.rank
+
+    @property
+    def world_size(self) -> int:
+        """The grid's processes (``grid.size``)."""
+        return self._grid.size
+
+    @property
+    def world(self) -> World:
+        """The whole grid as a worker set: its group (None on one process or a detached
+        stage), this process's rank in it and the bound on every wait."""
+        return self._grid_world()
+
+    def interrupt(self) -> None:
+        """From any thread, as ``World.interrupt`` for each of the grid's groups (the
+        grid's, the stage group's, the replica group's): every vflow wait on them,
+        running or later, ends at once in CollectiveError (Note [Interrupting a wait],
+        csrc/interrupt.cpp); the schedule's own sends and receives are torch's and end
+        when the peer's connections close. vflow.elastic calls it when told that the
+        worker set broke elsewhere."""
+        grid = self._grid
+        for group in (grid.group, grid.stage_group, grid.replica_group):
+            World(group, self.config.timeout).interrupt()
 
     @property
     def plan(self) -> Plan:
@@ -430,18 +466,29 @@ class PipelineExecutor:
             ),
         ]
 
-    def _join(self, grid: ProcessGrid, plan: Plan, *, newcomer: bool) -> None:
+    def _join(
+        self, grid: ProcessGrid, plan: Plan, *, newcomer: bool, catch_up: bool = False
+    ) -> None:
         """The stage's replicas agree and newcomers receive the stage's state (Note
         [Joining a worker set], vflow/world/membership.py); the whole grid agrees on
-        what every stage shares first."""
+        what every stage shares first, and that every stage has a process at the
+        members' highest step count (Note [Catching up on a grid])."""
         shared = [c for c in self._columns(plan) if c.name != "stage layout"]
-        membership.check_agreement(World(grid.group, self.config.timeout), shared)
+        rows = membership.check_agreement(
+            World(grid.group, self.config.timeout),
+            shared,
+            [int(not newcomer), self.step_count, grid.stage],
+        )
+        _check_every_stage_caught_up(rows, grid)
         progress = training_state.Progress(self.step_count, self.skipped_steps, self.seed)
         membership.join(
             self._replicas_world(grid),
             self._columns(plan),
             membership.Candidate(
-                member=not newcomer, step_count=self.step_count, progress=repr(progress)
+                member=not newcomer,
+                step_count=self.step_count,
+                progress=repr(progress),
+                catch_up=catch_up,
             ),
             state=self._local_state,
             load_state=self._load_received_state,
@@ -503,16 +550,33 @@ class PipelineExecutor:
         for replicas]); None until there is one."""
         return self._gathered_profile
 
-    def reconfigure(self, grid: ProcessGrid, plan: Plan | None = None) -> None:
+    def reconfigure(
+        self,
+        grid: ProcessGrid,
+        plan: Plan | None = None,
+        *,
+        catch_up: bool = False,
+        newcomer: bool = False,
+    ) -> None:
         """Moves to another grid between steps, at replica granularity: the same
         stages, more or fewer replicas (``plan``: default even). A collective of the
         new grid: every process of it calls this, except the processes new to the job,
         which construct their executor on ``grid`` and receive their stage's training
         state from a replica that has it, bit for bit. Processes that leave just stop
         (every process of the default group still builds the grid: ProcessGrid.of).
-        Any error leaves the executor on its old grid."""
+        Any error leaves the executor on its old grid.
+
+        ``catch_up`` and ``newcomer``, as for ``vflow.Executor.reconfigure``: members
+        of a stage behind the stage's others receive their state (every stage must
+        have a process at the members' highest step count: Note [Catching up on a
+        grid]); ``newcomer``: this executor was built ahead, on a detached stage
+        (``ProcessGrid.detached``), and receives its stage's state here as a
+        constructor on ``grid`` would. vflow.elastic uses both."""
         self._check_open()
         self._check_grid(grid, self.pipeline)
+        for name, flag in (("catch_up", catch_up), ("newcomer", newcomer)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
 
         def checked() -> tuple[Plan, object]:
             if grid.stage != self._grid.stage:
@@ -528,10 +592,17 @@ class PipelineExecutor:
 
         # The same collectives as a newcomer's constructor, in the same order.
         plan, prepared = _together(grid, self.config, checked)
-        self._join(grid, plan, newcomer=False)
-        world = self._replicas_world(grid)
+        self._join(grid, plan, newcomer=newcomer, catch_up=catch_up)
+        self._take_grid(grid, plan, prepared)
+
+    def _take_grid(self, grid: ProcessGrid, plan: Plan, prepared: object) -> None:
+        """Runs the next steps on ``grid`` with ``plan`` (``prepared``: the reduction's
+        ``prepare_world`` for it); the stages and schedules of the old grid go."""
         self._grads.set_world(
-            grid.replica_group, self.config.timeout.total_seconds(), world.description, prepared
+            grid.replica_group,
+            self.config.timeout.total_seconds(),
+            self._replicas_world(grid).description,
+            prepared,
         )
         self._grid = grid
         self._plan = plan
@@ -539,6 +610,37 @@ class PipelineExecutor:
         self._schedules = {}
         self._last_result = None
         self._restart_auto()
+
+    def abort_group(self) -> None:
+        """As ``vflow.Executor.abort_group``, after a ``CollectiveError``: drops every
+        group of the grid this executor holds (the grid's, its stage group's and its
+        replica group's, and the pipeline stages built on them), NCCL's aborted, so that
+        peers still blocked on this process fail now; a Gloo group that an interrupted
+        wait left busy is held until its collective ends (vflow.world.group.retire),
+        and the gradient buffers are replaced. The executor is left on its detached
+        stage (``ProcessGrid.detached``; one process with S = 1) until the next
+        ``reconfigure``; its training state is untouched. The registry of
+        torch.distributed still holds the groups until the default group is destroyed
+        (vflow.elastic does)."""
+        self._check_open()
+        grid = self._grid
+        busy = False
+        for group in (grid.group, grid.stage_group, grid.replica_group):
+            if group is None:
+                continue
+            if backend_name(group) == "nccl":
+                group.abort()
+            elif retire(group):
+                busy = True
+        if busy:
+            self._grads = self._grads.renewed()
+        alone = (
+            ProcessGrid.alone()
+            if grid.stages == 1
+            else ProcessGrid.detached(grid.stages, grid.stage)
+        )
+        plan = Plan.even(self.virtual_nodes, 1)
+        self._take_grid(alone, plan, self._grads.reduction.prepare_world(plan, 0))
 
     # ---- training ------------------------------------------------------------------
 
@@ -566,6 +668,7 @@ class PipelineExecutor:
         self._check_open()
         refuse_compiled_autograd("vflow.PipelineExecutor.step")
         grid = self._grid
+        self._check_attached("step")
         batch_size, slices, mine_in, mine_target = self._replica_batch(
             inputs, targets, global_batch_size, training=True
         )
@@ -621,9 +724,25 @@ class PipelineExecutor:
         )
         self._gathered_profile = run.gathered_profile
         self.step_count += 1
+        self._signal.reset()
         if self._auto is not None and run.gathered_profile is not None:
             self._follow_auto_plan(run.gathered_profile, batch_size)
         return result
+
+    def signal(self, word: int | Callable[[], int]) -> None:
+        """As ``vflow.Executor.signal``: ``word`` (an int in [0, 2**31), or a function
+        the step calls when it sends its losses) travels with this process's next step,
+        and every process of the grid reads every process's word, by grid rank, in that
+        step's ``StepResult.signals``. Reset to 0 once a step succeeds."""
+        self._signal.set(word)
+
+    def _check_attached(self, what: str) -> None:
+        if self._grid.is_detached:
+            raise RuntimeError(
+                f"{what}: this process holds stage {self._grid.stage} of {self._grid.stages} "
+                "but has no grid yet (ProcessGrid.detached): move it onto one with "
+                "reconfigure(grid, newcomer=True)"
+            )
 
     def _follow_auto_plan(self, profile: StepProfile, batch_size: int) -> None:
         """Note [Automatic plans for replicas]: every process decides the same from the
@@ -853,6 +972,7 @@ class PipelineExecutor:
         BatchNorm follow the modules' mode: call ``stage_module.eval()`` first (the
         executor does not change it). A collective of the grid."""
         self._check_open()
+        self._check_attached("infer")
         if not isinstance(gather, bool):
             raise TypeError(f"gather must be a bool, got {type(gather).__name__}")
         grid = self._grid
@@ -1063,6 +1183,8 @@ class _StepRun:
         self.profiling = torch.autograd._profiler_enabled()
         self.gathered_profile: StepProfile | None = None
         self._row = torch.zeros(0)
+        self._signals_at = 0
+        self.signals: tuple[int, ...] = (0,)  # every process's word, by grid rank
         self._layout: _ProfileLayout | None = None
         self._pending: PendingSum | None = None  # the losses' sum the last stage did not wait for
 
@@ -1113,12 +1235,16 @@ class _StepRun:
             with ex.backward(position), profiled("vflow::backward", self.profiling):
                 loss.backward()
 
-    def _losses_row(self, width: int, device: torch.device) -> torch.Tensor:
+    def _losses_row(self, width: int, device: torch.device, signals_at: int) -> torch.Tensor:
         """The VN losses and item counts in their slots of a float64 row on ``device``,
         built with tensor operations (no host synchronisation on an accelerator); the
-        products are the float64 ones of ``n_i / B * loss_i``, the same bits on any grid."""
+        products are the float64 ones of ``n_i / B * loss_i``, the same bits on any grid.
+        From ``signals_at``, a slot per process of the grid: its signal word (exact in
+        float64), read now (``PipelineExecutor.signal``)."""
         virtual_nodes = self.executor.virtual_nodes
         host = [0.0] * width
+        self._signals_at = signals_at
+        host[signals_at + self.executor.grid.rank] = float(self.executor._signal.read())
         if self.kind is not None:
             host[2 * virtual_nodes + (0 if self.kind == "mean" else 1)] = len(self.vn_losses)
         previous = self.executor._previous
@@ -1148,7 +1274,8 @@ class _StepRun:
         virtual_nodes = ex.virtual_nodes
         world = ex._grid_world()
         self._layout = _ProfileLayout(virtual_nodes, ex.grid)
-        row = self._losses_row(2 * virtual_nodes + 2 + self._layout.size, world.device)
+        signals_at = 2 * virtual_nodes + 2 + self._layout.size
+        row = self._losses_row(signals_at + ex.grid.size, world.device, signals_at)
         self._row = row
         check = ex.config.skip_nonfinite or bool(ex.deterministic)
         clip = ex.config.max_grad_norm
@@ -1244,6 +1371,8 @@ class _StepRun:
         the losses); returns the factor the gradients are normalised by."""
         ex, row, virtual_nodes = self.executor, self._row, self.executor.virtual_nodes
         values = row.tolist()
+        at = self._signals_at
+        self.signals = tuple(int(w) for w in values[at : at + ex.grid.size])
         if ex._previous is not None:
             assert self._layout is not None
             self.gathered_profile = self._layout.decode(values, 2 * virtual_nodes + 2, ex._previous)
@@ -1298,6 +1427,7 @@ class _StepRun:
             self.grad_norm,
             timings,
             lambda: profile,
+            self.signals,
         )
 
 
@@ -1527,6 +1657,50 @@ def _together(grid: ProcessGrid, config: ExecutorConfig, check: Callable[[], Any
 # raises its own error. Either way nothing was committed: the step's failure path
 # restores the stage. The stage group's messages of the failed step may still be in
 # flight: the grid is not used again (a job moves to a new one).
+
+
+# Note [Building a stage ahead]
+# An elastic worker builds its executor before it joins a grid (Note [Joining ahead],
+# vflow/elastic/job.py): building a model and an optimizer takes seconds, which the
+# members should not wait for. For a pipeline it does so on a detached stage
+# (``ProcessGrid.detached(S, s)``): it knows which stage it holds, so it builds only
+# that stage's segments, its optimizer and its gradient buffers, alone, as one replica
+# without any group; ``step`` and ``infer`` refuse to run there. Its first
+# ``reconfigure(grid, newcomer=True)`` moves it onto a grid as a constructor on that
+# grid would, receiving its stage's training state from the stage's members. A
+# process whose grid broke is left on its detached stage too (``abort_group``).
+
+# Note [Catching up on a grid]
+# A grid that broke during a step's last collective (the all-reduce of the losses, or
+# of the verdict and norms) may have processes that committed the step and others that
+# did not: ``catch_up`` lets a stage's processes behind receive the state of one of
+# that stage ahead (over the replica group, Note [Joining a worker set]). That needs,
+# for every stage, a process at the members' highest step count; a stage whose every
+# process is behind cannot catch up, since no process holds its segments' state of
+# that step, and every process raises alike (the whole grid checks it first, from one
+# all-gather).
+
+
+def _check_every_stage_caught_up(rows: list[list[int]], grid: ProcessGrid) -> None:
+    """Note [Catching up on a grid]: ``rows`` are every process's (member, step count,
+    stage)."""
+    steps = [step for member, step, _ in rows if member]
+    if not steps:
+        return
+    top = max(steps)
+    behind = sorted(
+        {
+            stage
+            for stage in range(grid.stages)
+            if not any(member and step == top and s == stage for member, step, s in rows)
+        }
+    )
+    if behind:
+        raise ValueError(
+            f"stage(s) {behind} of the grid have no process at step {top}, the step other "
+            "stages' processes reached: their state of that step is lost, and the grid "
+            "cannot go on from it (Note [Catching up on a grid])"
+        )
 
 
 def _from_the_network(error: BaseException) -> bool:

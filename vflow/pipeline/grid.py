@@ -54,10 +54,31 @@ class ProcessGrid:
     def is_last(self) -> bool:
         return self.stage == self.stages - 1
 
+    @property
+    def is_detached(self) -> bool:
+        """Whether this process holds a stage of a pipeline but has no grid to run it on
+        (``ProcessGrid.detached``)."""
+        return self.stages > 1 and self.stage_group is None
+
     @classmethod
     def alone(cls) -> ProcessGrid:
         """This process alone: one replica of one stage, no process group."""
         return cls(1, 1, True, 0, 0, None, None, None)
+
+    @classmethod
+    def detached(cls, stages: int, stage: int) -> ProcessGrid:
+        """Stage ``stage`` of ``stages`` held by this process before it has a grid:
+        enough to build its executor, not to train (Note [Building a stage ahead],
+        vflow/pipeline/executor.py). An elastic job builds a worker's executor on it
+        before the worker joins a grid (vflow.elastic)."""
+        for name, value in (("stages", stages), ("stage", stage)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if stages < 2:
+            raise ValueError(f"stages must be >= 2 for a detached stage, got {stages}")
+        if not 0 <= stage < stages:
+            raise ValueError(f"stage must be in [0, {stages}), got {stage}")
+        return cls(1, stages, True, 0, stage, None, None, None)
 
     @classmethod
     def of(

@@ -53,7 +53,7 @@ from vflow.runtime.module_buffers import BufferRule
 from vflow.runtime.pre_step_hooks import PreStepHooks
 from vflow.runtime.reduction import for_kind
 from vflow.runtime.registered_state import registered_from
-from vflow.runtime.results import StepResult
+from vflow.runtime.results import SignalWord, StepResult
 from vflow.runtime.step_cycle import StepParts, run_step
 from vflow.runtime.step_run import StepInputs, StepRun
 from vflow.runtime.step_stats import GlobalStats, StatsLayout
@@ -246,7 +246,7 @@ class Executor:
         self.step_count = 0
         self.skipped_steps = 0
         self._registered = registered
-        self._signal: int | Callable[[], int] = 0
+        self._signal = SignalWord()
         self._pre_step_hooks = PreStepHooks()
         # Note [Plan changes wait for the data]: changes not yet in force, by first
         # step, and the plan and rank each drawn step's batch was split under.
@@ -605,16 +605,7 @@ class Executor:
         sends its statistics (before its last VN's backward), so that what changes
         during the step's forward passes still travels with it. Reset to 0 once a step
         succeeds."""
-        if not callable(word):
-            _check_signal_word(word, "word")
-        self._signal = word
-
-    def _signal_word(self) -> int:
-        if not callable(self._signal):
-            return self._signal
-        word = self._signal()
-        _check_signal_word(word, "the signal function's result")
-        return word
+        self._signal.set(word)
 
     def step(self, batch: Batch, *, global_batch_size: int | None = None) -> StepResult:
         """Runs one global step.
@@ -647,7 +638,7 @@ class Executor:
             buffers,
             self.seed,
             self.step_count,
-            self._signal_word,
+            self._signal.read,
             max(0, self._last_drawn() - self.step_count),
             self._own_profile,
             1.0 if self.scaler is None else self.scaler.scale,
@@ -683,7 +674,7 @@ class Executor:
         clock.finish(end)
         result = run.result(start, end, scale)
         self._last_result = result
-        self._signal = 0
+        self._signal.reset()
         if self._world.distributed:
             self._own_profile = result.profile  # sent with the next step's statistics
             self._gathered = run.gathered
@@ -912,8 +903,3 @@ class Executor:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
-
-
-def _check_signal_word(word: object, name: str) -> None:
-    if isinstance(word, bool) or not isinstance(word, int) or not 0 <= word < 2**31:
-        raise ValueError(f"{name} must be an int in [0, 2**31), got {word!r}")

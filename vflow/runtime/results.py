@@ -58,3 +58,32 @@ class StepResult:
     @functools.cached_property
     def profile(self) -> WorkerProfile:
         return self.make_profile()
+
+
+class SignalWord:
+    """A worker's signal word for its next step (``Executor.signal``,
+    ``PipelineExecutor.signal``): an int in [0, 2**31), or a function returning one that
+    the step calls when it sends its statistics."""
+
+    def __init__(self) -> None:
+        self._word: int | Callable[[], int] = 0
+
+    def set(self, word: int | Callable[[], int]) -> None:
+        if not callable(word):
+            _check(word, "word")
+        self._word = word
+
+    def read(self) -> int:
+        if not callable(self._word):
+            return self._word
+        word = self._word()
+        _check(word, "the signal function's result")
+        return word
+
+    def reset(self) -> None:
+        self._word = 0
+
+
+def _check(word: object, name: str) -> None:
+    if isinstance(word, bool) or not isinstance(word, int) or not 0 <= word < 2**31:
+        raise ValueError(f"{name} must be an int in [0, 2**31), got {word!r}")

@@ -63,6 +63,26 @@ def new_group(ranks: Sequence[int], timeout: datetime.timedelta | None) -> dist.
     return dist.new_group(list(ranks), timeout=timeout)
 
 
+def start_default_group(
+    store: dist.Store, rank: int, size: int, backend: str, timeout: datetime.timedelta
+) -> None:
+    """Makes ``size`` processes on ``store`` the default group of torch.distributed, this
+    one rank ``rank``, replacing the default group this process had (destroyed with
+    every group made on it). A pipeline's grid needs one: torch.distributed.pipelining
+    addresses its peers through the default group's ranks (Note [The grid],
+    vflow/pipeline/grid.py), so an elastic pipeline makes one per worker set
+    (vflow.elastic). Connecting to the others is bounded by ``timeout``, which also
+    becomes the default group's own."""
+    end_default_group()
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+
+
+def end_default_group() -> None:
+    """Destroys the default group, if any, and every group made on it."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def backend_name(group: dist.ProcessGroup) -> str:
     """``group``'s backend ("gloo", "nccl", ...), also for a group built directly on a
     store rather than through ``init_process_group``/``new_group``."""
