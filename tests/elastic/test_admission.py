@@ -22,7 +22,7 @@ import torch.distributed as dist
 from tests.support.rendezvous import local_store, until
 from vflow.elastic.admission import let_in
 from vflow.elastic.groups import WorkerSet
-from vflow.elastic.rendezvous import _ACK_S, Rendezvous
+from vflow.elastic.rendezvous import ACK_S, Rendezvous
 
 JOB = "admission"
 ROUND = f"vflow/{JOB}/boot/round0"  # a round's key prefix, as next_round names it
@@ -145,7 +145,7 @@ def test_knockers_beyond_the_sets_room_are_let_in_after_a_later_step() -> None:
 def test_a_knocker_that_died_while_it_waited_is_never_let_in() -> None:
     """Note [Knockers acknowledge]: a knocker killed while it waits is offered a place
     with the live one that knocked after it, never acknowledges, and is answered
-    "again"; the live one comes in alone, and the members waited about _ACK_S for the
+    "again"; the live one comes in alone, and the members waited about ACK_S for the
     dead one, not a group's creation timeout."""
     with local_store(JOB) as (store, worker):
         ((member, workers),) = _members(worker, 1)
@@ -170,7 +170,7 @@ def test_a_knocker_that_died_while_it_waited_is_never_let_in() -> None:
         assert _answer(store, 1) == {"again": True}
         assert json.loads(store.get(f"{ROUND}/vflow/admit0/3/in"))["tickets"] == [2]
         assert _counter(store, "answered") == 2
-        assert waited >= _ACK_S  # it waited for the dead one's acknowledgement
+        assert waited >= ACK_S  # it waited for the dead one's acknowledgement
 
 
 def test_a_knocker_stopped_past_its_offer_knocks_again_and_is_let_in_later() -> None:
@@ -198,3 +198,37 @@ def test_a_knocker_stopped_past_its_offer_knocks_again_and_is_let_in_later() -> 
                 slow.wait(timeout=30)
         assert json.loads(store.get(f"{ROUND}/vflow/admit0/4/in"))["tickets"] == [2]
         assert _counter(store, "answered") == 2
+
+
+def test_a_member_waits_for_an_offer_written_late_before_its_window_starts() -> None:
+    """Note [Knockers acknowledge]: a member that reaches the acknowledgements long
+    before the member that writes the offer has written it (a loaded host) counts its
+    window from when it sees the offer, so the knocker, which acknowledges once it sees
+    the offer, is found acknowledged; a window counted from the member's own start would
+    have closed empty, and its view, proposed first, would have answered "again"."""
+    window = 0.5
+    with local_store(JOB) as (store, worker):
+        ((member, _), (writer, _)) = _members(worker, 2)
+        knocker = _knocker(store)
+        try:
+            until("the knocker's ticket", lambda: _counter(store, "knocks") == 1, timeout=120)
+            with ThreadPoolExecutor(1) as pool:
+                acked = pool.submit(member.acknowledged, "acks/1", [1], 0.02, window_s=window)
+                time.sleep(3 * window)  # the writer is late: past a window from the start
+                assert not acked.done()
+                writer.offer([1], "acks/1", write=True)
+                assert acked.result(timeout=KNOCK_S) == [1]
+        finally:
+            knocker.kill()
+            knocker.wait(timeout=30)
+
+
+def test_a_member_gives_up_on_an_offer_never_written() -> None:
+    """The member that was to write the offer died before it did: the others wait
+    ``offer_s`` for the offer, then propose nobody."""
+    offer_s = 0.5
+    with local_store(JOB) as (_, worker):
+        ((member, _),) = _members(worker, 1)
+        start = time.monotonic()
+        assert member.acknowledged("acks/9", [9], 0.02, window_s=0.1, offer_s=offer_s) == []
+        assert time.monotonic() - start >= offer_s

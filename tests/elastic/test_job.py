@@ -686,7 +686,7 @@ def _knocks(job: Job) -> int:
 def test_a_knocker_that_died_waiting_for_a_place_costs_the_members_nothing(job: Job) -> None:
     """Note [Knockers acknowledge]: c knocks at a full job (V=2, two workers) and is
     killed while it waits. When b leaves, a has room and offers c's ticket a place,
-    which nobody acknowledges: a goes on alone after _ACK_S instead of waiting for c's
+    which nobody acknowledges: a goes on alone after ACK_S instead of waiting for c's
     connection until the 10 s timeout; d, knocking later, is let in at once."""
     common = ("--virtual-nodes", "2", "--timeout", "10")
     # a and b are held until d is in, however long d takes to start.

@@ -27,7 +27,7 @@ job], vflow/elastic/record.py), a newcomer does not use the rendezvous; it knock
    ``admit<G>/<step>`` in the round's store (the first member's view wins: the oldest
    tickets, as many as there is room), offer it to each ticket and raise the answered
    counter; each knocker acknowledges, and the members agree on the ones that did
-   within _ACK_S (Note [Knockers acknowledge], vflow/elastic/rendezvous.py) by
+   within ACK_S (Note [Knockers acknowledge], vflow/elastic/rendezvous.py) by
    compare-and-set on ``admit<G>/<step>/in``; every offered ticket gets its final
    answer (the round, the new set's ranks, its number G + 1; or "again");
 4. newcomers and members form the new set as in ROUND (newcomers take negative ranks
@@ -54,6 +54,7 @@ import torch.distributed as dist
 from vflow.elastic.agreement import PARTNERLESS, POLL_S, LeftOut, Recovery, set_poll_s
 from vflow.elastic.groups import AnyExecutor, Groups, SetGroup, WorkerSet, publish
 from vflow.elastic.rendezvous import (
+    ACK_S,
     Rendezvous,
     RendezvousConnectionError,
     RendezvousStateError,
@@ -333,7 +334,9 @@ def let_in(
             [json.dumps({"again": True})] * len(decision["again"]),
         )
     rdzv.offer(offered, acks, write=write)
-    acked = rdzv.acknowledged(acks, offered, set_poll_s(len(workers.ranks)))
+    # The writer's window decides; the others' is longer (Note [Knockers acknowledge]).
+    window = ACK_S if write else 2 * ACK_S
+    acked = rdzv.acknowledged(acks, offered, set_poll_s(len(workers.ranks)), window_s=window)
     # The acknowledged ones may no longer make whole replicas: those left over knock again.
     acked = [acked[i] for i in layout.choose([stage_of[t] for t in acked], room)]
     proposal = {

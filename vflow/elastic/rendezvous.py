@@ -177,17 +177,25 @@ GONE_AFTER_S = 2.0
 # Note [Knockers acknowledge]
 # Members never follow a knocker's liveness: the members' answer to a ticket is first an
 # offer, which the knocker acknowledges by appending its ticket to the offer's ``acks``
-# key; the members wait up to _ACK_S for every offered ticket's acknowledgement
-# (one read of that key per poll, whatever the number of tickets) and then decide, by
-# compare-and-set, who comes in: the knockers that acknowledged. The others' tickets are
-# answered "again" (one alive after all, stopped or starved, takes a new ticket). So a
-# knocker that died while it waited, however many knocked, is never let in, and costs
-# the members at most _ACK_S once; nothing is watched per ticket, so there is no limit
-# on how many knock at once. A knocker that dies after its acknowledgement, in the
-# milliseconds before it connects, still costs the group's creation timeout.
+# key; the member that wrote the offer waits up to ACK_S from its write for every
+# offered ticket's acknowledgement (one read of that key per poll, whatever the number
+# of tickets) and then decides, by compare-and-set, who comes in: the knockers that
+# acknowledged. The others' tickets are answered "again" (one alive after all, stopped
+# or starved, takes a new ticket). So a knocker that died while it waited, however many
+# knocked, is never let in, and costs the members at most ACK_S once; nothing is
+# watched per ticket, so there is no limit on how many knock at once. A knocker that
+# dies after its acknowledgement, in the milliseconds before it connects, still costs
+# the group's creation timeout.
+# The other members give the writer ACK_S more, counted from when they saw the offer
+# written, before they propose what they saw: on a loaded host a member can reach the
+# wait long before the writer wrote the offer, and a window counted from its own start
+# would close first and have its empty view decide (every knocker answered "again"
+# before it could see its offer). An offer not written within OFFER_S (its writer
+# died) is taken as acknowledged by nobody.
 _KNOCKS, _ANSWERED = "knocks", "answered"  # counters of tickets
 _KNOCK_POLL_S = 0.02  # a knocking worker looks for its answer this often
-_ACK_S = 1.0  # how long the members wait for an offered ticket's acknowledgement
+ACK_S = 1.0  # how long the members wait for an offered ticket's acknowledgement
+OFFER_S = 10.0  # how long the members wait for the offer to be written
 _DOOR_POLL_S = 0.25  # the watching member reads the knocks counter this often
 _NEIGHBOUR_POLL_S = 1.0  # a member reads the next member's beats this often
 _RECORD_POLL_S = 1.0  # a knocker looks whether the job finished, a member whether it is fenced
@@ -945,18 +953,30 @@ class Rendezvous:
         while answered < top:
             answered = int(job.compare_set(_ANSWERED, str(answered), str(top)))
 
-    def acknowledged(self, acks: str, tickets: list[int], poll_s: float) -> list[int]:
-        """The ``tickets`` acknowledged under ``acks`` once all of them are, or when
-        _ACK_S has passed (Note [Knockers acknowledge]), in the order of ``tickets``;
-        it looks every ``poll_s``. Until the member that offers has written the key,
-        nothing is acknowledged."""
+    def acknowledged(
+        self,
+        acks: str,
+        tickets: list[int],
+        poll_s: float,
+        *,
+        window_s: float = ACK_S,
+        offer_s: float = OFFER_S,
+    ) -> list[int]:
+        """The ``tickets`` acknowledged under ``acks`` once all of them are, or
+        ``window_s`` after this member first saw the offer written (Note [Knockers
+        acknowledge]), in the order of ``tickets``; it looks every ``poll_s``. An offer
+        not written within ``offer_s`` (its writer died) has nothing acknowledged."""
         job = self.job_store
-        deadline = time.monotonic() + _ACK_S
+        start = time.monotonic()
+        seen: float | None = None  # when this member first saw the offer written
         while True:
             said = set()
             if job.check([acks]):
+                seen = time.monotonic() if seen is None else seen
                 said = {int(t) for t in job.get(acks).decode().split(",") if t}
-            if said.issuperset(tickets) or time.monotonic() > deadline:
+            now = time.monotonic()
+            late = now > start + offer_s if seen is None else now > seen + window_s
+            if said.issuperset(tickets) or late:
                 return [t for t in tickets if t in said]
             time.sleep(poll_s)
 
