@@ -7,7 +7,8 @@
 #      (sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise), VFLOW_CUDA=1 so a missing
 #      toolchain fails the build instead of quietly dropping the kernels;
 #   2. the CUDA tests: every test parametrised over devices, the exact kernels
-#      against the CPU's integers, the executor on the GPU;
+#      against the CPU's integers, the executor on the GPU, a one-rank NCCL group
+#      interrupted (its communicators aborted: Note [Interrupting an NCCL wait]);
 #   3. benchmarks/accumulate.py on the GPU: fused-accumulate GB/s against the copy
 #      bandwidth measured in the same run (target >= 85 %), and the exact kernels;
 #   4. benchmarks/step.py on the GPU: Executor.step against a hand-written loop;
@@ -79,7 +80,7 @@ cuda_tests() {
     tests/test_kernels.py tests/test_ops.py tests/runtime/test_exact.py \
     tests/runtime/test_executor.py tests/runtime/test_grad_buffer.py \
     tests/runtime/test_reducer.py tests/runtime/test_memory.py tests/runtime/test_tree.py \
-    tests/data/test_prefetch.py 2>&1 | tee "$out"
+    tests/data/test_prefetch.py tests/world/test_nccl.py 2>&1 | tee "$out"
   local rc=${PIPESTATUS[0]}
   # pytest's last line, e.g. "2 failed, 80 passed, 3 skipped, 1 error in 9.1s".
   local passed failed skipped

@@ -41,6 +41,21 @@ namespace vflow {
 // once the weak references are gone too), so a new group can never take its address
 // and be taken for interrupted. The destructor of the group's backends is not delayed:
 // ProcessGroup::release_resources drops them with the last strong reference.
+// Note [Interrupting an NCCL wait]
+// An NCCL collective whose peer died hangs in its kernel, and a survivor's host waits
+// with it: Work::wait given a timeout (as every wait here is) blocks the host until the
+// collective completes or the timeout passes. Neither slicing nor a wait's own timeout
+// helps: a blocking wait that times out aborts the group's communicators. What ends
+// the hang at once is aborting the communicators (ncclCommAbort makes the kernels
+// exit), which vflow.world.group.World.interrupt does from the thread that learns the
+// set broke, after marking the group interrupted. The wait then returns, completed or
+// failed, and since the group is marked, throws Interrupted: an aborted collective's
+// output is garbage, never used. A survivor's bound is thus: the first survivor's
+// failure (NCCL's own error detection, or timeout_s for a silent peer), the message to
+// the others through the store (Note [A survivor blocked on survivors],
+// vflow/elastic/agreement.py) and the abort. Read against torch's ProcessGroupNCCL,
+// built, not run here: no GPU (docs/design.md, Limits).
+
 namespace {
 
 // How long a wait blocks before it looks for an interrupt: well under the agreement's
@@ -133,8 +148,19 @@ void abandon(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
 
 void wait_for(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
               const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout) {
-  if (!group || group->getBackendName() == "nccl") {
-    work->wait(timeout);  // NCCL's wait does not block the host (its watchdog bounds it)
+  if (!group) {
+    work->wait(timeout);
+    return;
+  }
+  if (group->getBackendName() == "nccl") {
+    // Note [Interrupting an NCCL wait]
+    leave_if_interrupted(group, work, "before this worker's wait");
+    work->wait(timeout);
+    if (interrupted(group.get())) {
+      throw Interrupted(
+          "interrupted: the worker set broke elsewhere and this worker's communicators "
+          "were aborted (the collective's results cannot be trusted)");
+    }
     return;
   }
   if (c10d::isP2POp(work->retrieveOpType())) {

@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import vflow
 from vflow.demo import cross_entropy, load_digits_split, make_model
+from vflow.world.devices import local_gpu
 
 
 def parse_plan(text: str) -> vflow.Plan:
@@ -114,15 +115,13 @@ def parse_args(argv: list[str] | None, world_size: int) -> argparse.Namespace:
 def pick_device() -> torch.device:
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if local_rank >= torch.cuda.device_count():
-        raise SystemExit(
-            f"LOCAL_RANK {local_rank} has no GPU ({torch.cuda.device_count()} visible); "
-            "start at most one process per GPU on each node"
-        )
+    try:
+        index = local_gpu()  # LOCAL_RANK under torchrun (Note [A worker's GPU])
+    except ValueError as e:
+        raise SystemExit(f"{e}") from None
     # NCCL binds a rank to the current device, so it must be set before the group exists.
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def main(argv: list[str] | None = None) -> int:

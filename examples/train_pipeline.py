@@ -64,6 +64,7 @@ import torch.nn.functional as F
 import vflow
 from vflow.demo import accuracy, load_digits_split, make_pipeline_model, make_transformer_model
 from vflow.elastic import add_job_arguments, job_from_args
+from vflow.world.devices import local_gpu
 from vflow.world.group import use_loopback_for_gloo
 
 _log = logging.getLogger("train_pipeline")
@@ -179,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: torch sees no CUDA device")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        try:
+            torch.cuda.set_device(local_gpu())  # Note [A worker's GPU]: before the group
+        except ValueError as e:
+            raise SystemExit(f"--device cuda: {e}") from None
     if distributed:
         use_loopback_for_gloo()
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")

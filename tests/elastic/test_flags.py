@@ -53,12 +53,14 @@ def test_a_scripts_own_flag_of_an_options_name_does_not_reach_the_job() -> None:
         ),
         ([*ENDPOINT, "--min-workers", "0"], "argument --min-workers: must be a whole number >= 1"),
         ([*ENDPOINT, "--backend", "mpi"], "argument --backend: must be 'gloo' or 'nccl'"),
+        ([*ENDPOINT, "--gpu", "-1"], "argument --gpu: must be an int >= 0"),
+        ([*ENDPOINT, "--gpu", "one"], "argument --gpu: must be an int >= 0"),
     ],
 )
 def test_a_bad_value_is_an_error_naming_its_flag(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    parser = _parser("timeout_s", "last_call_s", "min_workers", "backend")
+    parser = _parser("timeout_s", "last_call_s", "min_workers", "backend", "gpu")
     with pytest.raises(SystemExit):
         parser.parse_args(argv)
     assert message in capsys.readouterr().err
@@ -92,3 +94,12 @@ def test_optional_job_flags_leave_a_script_without_a_job_until_both_are_given() 
         job_from_args(args)
     job = job_from_args(parser.parse_args(["--rdzv", "127.0.0.1:29400", "--job", "j"]))
     assert (job.rendezvous, job.job_id) == ("127.0.0.1:29400", "j")
+
+
+def test_the_gpu_flag_reaches_an_nccl_job_and_is_refused_without_nccl() -> None:
+    parser = _parser("backend", "gpu")
+    job = job_from_args(parser.parse_args([*ENDPOINT, "--backend", "nccl", "--gpu", "3"]))
+    assert (job.backend, job.gpu) == ("nccl", 3)
+    assert job_from_args(parser.parse_args(ENDPOINT)).gpu is None
+    with pytest.raises(ValueError, match="gpu=1 needs backend='nccl'"):
+        job_from_args(parser.parse_args([*ENDPOINT, "--gpu", "1"]))

@@ -764,12 +764,21 @@ def test_an_unreachable_rendezvous_is_a_clear_error() -> None:
         job.run(lambda g, t: None, lambda ex, s: None, 1)  # type: ignore[arg-type, return-value]
 
 
+# Where an NCCL job whose store is unreachable stops: without a GPU, at the GPU.
+_NCCL_STOPS_AT = (
+    "cannot reach the rendezvous store"
+    if torch.cuda.is_available()
+    else "no GPU is visible to this process"
+)
+
+
 @pytest.mark.parametrize("chosen", [None, "3"])
 def test_an_nccl_job_keeps_the_watchdog_from_killing_survivors_and_says_it_is_untested(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, chosen: str | None
 ) -> None:
     """Note [NCCL rounds], up to what runs without GPUs: the setting and the warning,
-    said once per process."""
+    said once per process; then the worker looks for its GPU (Note [A worker's GPU]),
+    and without one stops there, before it connects."""
     from vflow.elastic import groups
 
     variable = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
@@ -781,7 +790,7 @@ def test_an_nccl_job_keeps_the_watchdog_from_killing_survivors_and_says_it_is_un
     job = ElasticJob("127.0.0.1:1", "nccl", store_timeout_s=1.0, backend="nccl")
     with caplog.at_level(logging.WARNING, logger="vflow"):
         for _ in range(2):
-            with pytest.raises(RuntimeError, match="cannot reach the rendezvous store"):
+            with pytest.raises(RuntimeError, match=_NCCL_STOPS_AT):
                 job.run(lambda g, t: None, lambda ex, s: None, 1)  # type: ignore[arg-type, return-value]
     said = [r.getMessage() for r in caplog.records if "NCCL" in r.getMessage()]
     assert len(said) == 1 and "untested on several GPUs" in said[0], said
@@ -806,12 +815,22 @@ def test_an_nccl_job_keeps_the_watchdog_from_killing_survivors_and_says_it_is_un
         ({"last_call_s": -1}, "last_call_s must be a finite number >= 0"),
         ({"keep_alive_s": 0.25}, r"keep_alive_s \* keep_alive_attempts must be >= 2 s"),
         ({"backend": "mpi"}, "backend must be 'gloo' or 'nccl'"),
+        ({"backend": "nccl", "gpu": -1}, "gpu must be an int >= 0 or None"),
+        ({"backend": "nccl", "gpu": True}, "gpu must be an int >= 0 or None"),
+        ({"gpu": 0}, "gpu=0 needs backend='nccl'"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], message: str) -> None:
     args = {"rendezvous": "127.0.0.1:1", "job_id": "j", **kwargs}
     with pytest.raises((ValueError, TypeError), match=message):
         ElasticJob(args.pop("rendezvous"), args.pop("job_id"), **args)
+
+
+def test_a_gpu_the_worker_does_not_see_is_refused_before_it_connects() -> None:
+    gpu = torch.cuda.device_count()
+    job = ElasticJob("127.0.0.1:1", "nccl", store_timeout_s=1.0, backend="nccl", gpu=gpu)
+    with pytest.raises(ValueError, match=f"gpu={gpu}: this process sees {gpu} GPU"):
+        job.run(lambda g, t: None, lambda ex, s: None, 1)  # type: ignore[arg-type, return-value]
 
 
 def test_max_workers_defaults_to_v_and_is_checked_before_joining(rendezvous: str) -> None:

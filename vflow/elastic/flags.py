@@ -76,6 +76,16 @@ def _name(text: str) -> str:
     return text
 
 
+def _index(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
+    return value
+
+
 def _backend(text: str) -> str:
     if text not in ("gloo", "nccl"):
         raise argparse.ArgumentTypeError(f"must be 'gloo' or 'nccl', got {text!r}")
@@ -148,6 +158,12 @@ _OPTIONS: dict[str, tuple[str, Callable[[str], Any], str]] = {
         "suspended job (SIGUSR1) is saved here, and resumes from here",
     ),
     "backend": ("--backend", _backend, "'gloo' (CPU) or 'nccl' (one GPU per worker)"),
+    "gpu": (
+        "--gpu",
+        _index,
+        "with --backend nccl: the visible GPU this worker uses (default: LOCAL_RANK, else "
+        "SLURM_LOCALID, else the first)",
+    ),
     "interface": (
         "--interface",
         _name,
@@ -162,6 +178,7 @@ _METAVARS: dict[Callable[[str], Any], str] = {
     seconds_or_zero: "SECONDS",
     str: "FILE",
     _backend: "NAME",
+    _index: "INDEX",
     _name: "NAME",
 }
 

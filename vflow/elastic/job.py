@@ -198,6 +198,7 @@ from vflow.runtime import checkpoint as checkpoint_io
 from vflow.runtime.executor import Executor
 from vflow.runtime.results import StepResult
 from vflow.world import network
+from vflow.world.devices import local_gpu
 from vflow.world.group import CollectiveError, World
 
 __all__ = ["LEAVE", "SUSPEND", "WAITING", "ElasticJob", "Event", "JoinRefused"]
@@ -291,6 +292,11 @@ class ElasticJob:
             the main thread; SIGUSR1 only where the program left it at its default
             action: a handler of the program's own stays, and ``suspend`` remains).
         backend: "gloo" (CPU) or "nccl" (one GPU per worker).
+        gpu: with ``backend="nccl"``, the index of the visible GPU this worker uses,
+            made its current device when ``run`` starts, before ``make_executor`` (build
+            the model on ``self.device``). None (default): the launcher's,
+            ``LOCAL_RANK`` (torchrun) or ``SLURM_LOCALID`` (Slurm), else the first
+            visible (Note [A worker's GPU], vflow/world/devices.py).
         interface: the network interface the worker's collectives use (Gloo's, and
             NCCL's unless ``NCCL_SOCKET_IFNAME`` is set); default: ``GLOO_SOCKET_IFNAME``
             if set, else the interface that reaches the store (Note [The interface that
@@ -329,6 +335,7 @@ class ElasticJob:
         checkpoint: str | None = None,
         handle_sigterm: bool = True,
         backend: str = "gloo",
+        gpu: int | None = None,
         interface: str | None = None,
         stages: int = 1,
         stage: int | None = None,
@@ -394,6 +401,11 @@ class ElasticJob:
             raise TypeError(f"checkpoint must be a file path or None, got {checkpoint!r}")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if gpu is not None:
+            if isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0:
+                raise ValueError(f"gpu must be an int >= 0 or None, got {gpu!r}")
+            if backend != "nccl":
+                raise ValueError(f"gpu={gpu} needs backend='nccl' (Gloo runs on the CPU)")
         network.resolve(host, "rendezvous")
         self.interface, self._gloo_interface = choose_interface(host, port, interface)
         self.rendezvous = rendezvous
@@ -413,6 +425,10 @@ class ElasticJob:
         self.checkpoint = checkpoint
         self.handle_sigterm = handle_sigterm
         self.backend = backend
+        self.gpu = gpu
+        # Where the executor's model lives: the CPU, or with NCCL this worker's GPU,
+        # known once ``run`` chose it.
+        self.device = torch.device("cpu")
         self.stages = stages
         self.stage = stage if stages > 1 else None
         self._layout: Layout = Workers() if self.stage is None else Replicas(stages, self.stage)
@@ -506,6 +522,14 @@ class ElasticJob:
             # NCCL reads it when its first communicator is made.
             os.environ.setdefault("NCCL_SOCKET_IFNAME", self.interface)
             prepare_nccl()
+            # Note [A worker's GPU]: before any group, which binds its rank to the device.
+            index = local_gpu() if self.gpu is None else self.gpu
+            if index >= torch.cuda.device_count():
+                raise ValueError(
+                    f"gpu={index}: this process sees {torch.cuda.device_count()} GPU(s)"
+                )
+            torch.cuda.set_device(index)
+            self.device = torch.device("cuda", index)
         self.suspended, self.suspended_step = False, None
         # Installed first, so that SIGTERM while connecting means "leave", not death.
         previous: dict[int, Any] = {}

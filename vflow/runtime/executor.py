@@ -523,7 +523,7 @@ class Executor:
         self._check_open()
         broken = self._world.group
         if broken is not None and backend_name(broken) == "nccl":
-            broken.abort()
+            self._world.abort()
         elif broken is not None and retire(broken):
             # An interrupted wait left collectives running on the buffers (Note
             # [Interrupting a wait], csrc/interrupt.cpp): the next steps use new ones.

@@ -4,9 +4,9 @@ which a set of workers agrees and hands its state to newcomers (``membership``),
 ``launch.run_ranks``, which starts N local Gloo ranks for the demo, tests and benchmarks,
 ``store.host_store``, through which vflow hosts every c10d store, on exactly the
 address asked, and ``store.connect_store``, its clients of a store that may go silent,
-and ``network``: the interface through which a worker reaches the store, and probes
-between workers. How the worker set changes while a job runs is vflow.elastic's
-business, one floor up.
+``network``: the interface through which a worker reaches the store, and probes
+between workers, and ``devices``: which GPU a worker uses. How the worker set changes
+while a job runs is vflow.elastic's business, one floor up.
 
 May import: vflow.mapping and the extension (vflow._extension).
 """

@@ -200,16 +200,34 @@ class World:
             self.device = comm_device(group)
             self.description = describe(group)
         self._timeout_s = timeout.total_seconds()
+        self._abort_lock = threading.Lock()
+        self._aborted = False
 
     def interrupt(self) -> None:
         """From any thread: every wait on this world's group, running or later, ends at
         once in CollectiveError (Note [Interrupting a wait], csrc/interrupt.cpp). The
         elastic job's way out of a collective blocked on live peers once the others
         agree without this worker (Note [A survivor blocked on survivors],
-        vflow/elastic/agreement.py). No effect alone or on NCCL, whose waits do not
-        block the host."""
+        vflow/elastic/agreement.py). On NCCL the group's communicators are aborted as
+        well, which is what ends a hung kernel (Note [Interrupting an NCCL wait]). No
+        effect alone."""
         if self.group is not None:
-            _C.interrupt_group(self.group)
+            _C.interrupt_group(self.group)  # first: a wait the abort ends sees it
+            if backend_name(self.group) == "nccl":
+                self.abort()
+
+    def abort(self) -> None:
+        """Aborts the group's NCCL communicators, once (from any thread): unlike Gloo's
+        sockets they outlive the group's last reference, and a hung collective ends
+        only so. Nothing for other backends or alone."""
+        group = self.group
+        if group is None or backend_name(group) != "nccl":
+            return
+        with self._abort_lock:
+            if self._aborted:
+                return
+            self._aborted = True
+        group.abort()
 
     def check_interrupted(self, what: str, step: int | None) -> None:
         """Raises CollectiveError when ``interrupt`` was called: a worker told that its
@@ -239,6 +257,13 @@ class World:
         except RuntimeError as e:
             outcome = failure_words(str(e), time.monotonic() - start, self._timeout_s)
             raise CollectiveError(f"{where}: {what} on {self.description} {outcome}: {e}") from e
+        if self._aborted:
+            # Note [Interrupting an NCCL wait], csrc/interrupt.cpp: a collective that the
+            # abort ended returns, and its output is garbage.
+            raise CollectiveError(
+                f"{where}: {what} on {self.description} was cut short: the worker set broke "
+                "elsewhere and this worker's communicators were aborted"
+            )
 
     def gather_ints(self, values: Sequence[int], what: str, step: int | None) -> list[list[int]]:
         """Every rank's ``values`` (the same count on every rank), in rank order."""

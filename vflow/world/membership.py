@@ -241,21 +241,28 @@ def _send_state(
         sizes = torch.zeros(2, dtype=torch.int64, device=world.device)
         world.recv_own(source, sizes, 0, f"receiving the training state's size from rank {source}")
         header_bytes = int(sizes[0])
-        data = torch.empty(int(sizes[1]), dtype=torch.uint8, device=world.device)
+        data = torch.empty(int(sizes[1]), dtype=torch.uint8)
+        staging = _staging(data, world.device)
         # Note [Sending the training state]: chunk by chunk, each bounded by the timeout.
         for tag, at in enumerate(range(0, data.numel(), STATE_CHUNK_BYTES), start=1):
             chunk = data[at : at + STATE_CHUNK_BYTES]
-            world.recv_own(source, chunk, tag, f"receiving the training state from rank {source}")
+            landing = chunk if staging is None else staging[: chunk.numel()]
+            world.recv_own(source, landing, tag, f"receiving the training state from rank {source}")
+            if staging is not None:
+                chunk.copy_(landing)
     else:
         mine = [rank for rank, source in source_of.items() if source == world.rank]
         if mine:
-            data, header_bytes = pack_state(state(), world.device)
+            data, header_bytes = pack_state(state(), torch.device("cpu"))
+            staging = _staging(data, world.device)
             sizes = torch.tensor(
                 [header_bytes, data.numel()], dtype=torch.int64, device=world.device
             )
             world.send_own(mine, sizes, 0, f"sending the training state's size to ranks {mine}")
             for tag, at in enumerate(range(0, data.numel(), STATE_CHUNK_BYTES), start=1):
                 chunk = data[at : at + STATE_CHUNK_BYTES]
+                if staging is not None:
+                    chunk = staging[: chunk.numel()].copy_(chunk)
                 world.send_own(mine, chunk, tag, f"sending the training state to ranks {mine}")
     if data is not None:
         _log.debug(
@@ -328,6 +335,12 @@ def deserialize(data: bytes) -> object:
 # the members stood still (benchmarks/elastic.py's grow). Whoever receives a state
 # always knows its size first, so it receives every chunk even when the header turns
 # out unreadable; it then fails to load, like any bad state.
+# The buffer is in host memory on either side, whatever the group's device: on NCCL it
+# crosses through one chunk-sized buffer on the GPU (``_staging``), so that a grow
+# costs a member and a newcomer STATE_CHUNK_BYTES of GPU memory, not a copy of the
+# whole state beside the model and optimizer they hold (host memory, more plentiful,
+# holds the copy), and a newcomer's received tensors, host views, are copied where
+# they belong by loading, as a checkpoint's are.
 # The buffer crosses in chunks of STATE_CHUNK_BYTES, one transfer each, and the timeout
 # bounds each chunk, not the whole: a state of many gigabytes over a slow link takes
 # what its bandwidth says (benchmarks/faults.py, the slow link), while a peer that stops
@@ -335,6 +348,15 @@ def deserialize(data: bytes) -> object:
 # timeout_s: 8 MB at 10 s is 6.4 Mbit/s.
 _ALIGN = 64
 STATE_CHUNK_BYTES = 8 << 20
+
+
+def _staging(data: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """Note [Sending the training state]: the one chunk-sized buffer on the group's
+    ``device`` that ``data``, in host memory, crosses through; None when the group
+    sends host memory itself."""
+    if device.type == "cpu":
+        return None
+    return torch.empty(min(data.numel(), STATE_CHUNK_BYTES), dtype=torch.uint8, device=device)
 
 
 def pack_state(state: object, device: torch.device) -> tuple[torch.Tensor, int]:
