@@ -37,7 +37,8 @@ pytest.importorskip("sklearn", reason="the workers train on scikit-learn's digit
 
 
 def _check_workers(job: dict[str, Any], completed: dict[str, dict[str, str]]) -> None:
-    """One Slurm job per worker, named <job>.<n>; each worker on a GPU Slurm gave it;
+    """One Slurm job per worker, named <job>.<n>; each worker on a GPU Slurm gave it,
+    which it would make its own (Note [A worker's GPU]);
     every worker not asked to leave got in."""
     for index, worker in enumerate(job["workers"]):
         record = completed[worker["id"]]
@@ -45,6 +46,7 @@ def _check_workers(job: dict[str, Any], completed: dict[str, dict[str, str]]) ->
         if worker["ready_s"] is not None:
             assert worker["host"] == worker["where"] == record["NodeList"]
             assert worker["device"] in ("0", "1")
+            assert worker["gpu"] == 0  # its own GPU, the first of what Slurm bound it
     _check_every_worker_got_in(job)
 
 

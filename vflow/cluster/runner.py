@@ -51,9 +51,9 @@ measures]). RESULT.json::
                "resizes": [{"t", "from", "to", "kind", "at_new_size_s", "after_release"}],
                "failures": [{"t", "worker", "cause", "returncode", "where", "output"}],
                "steps": ..., "workers": [{"log", "id", "where", "host", "device",
-                                           "launched_s", "placed_s", "ready_s", "first_step_s",
-                                           "terminated_s", "exited_s", "returncode",
-                                           "cause"}]}],
+                                           "gpu", "launched_s", "placed_s", "ready_s",
+                                           "first_step_s", "terminated_s", "exited_s",
+                                           "returncode", "cause"}]}],
      "decisions": [{"t", "why", "slots", "allocation"}],
      "measured": {"start_s", "start_per_worker_s", "restart_s", "grow_s", "shrink_s",
                   "release_s", "launch_to_ready_s", "launch_to_first_step_s",
@@ -208,6 +208,7 @@ class _Worker:
     first_step_s: float | None = None
     host: str | None = None
     device: str | None = None
+    gpu: int | None = None  # the index among ``device`` it would use (vflow.world.devices)
     suspended_step: int | None = None
     steps: list[dict[str, Any]] = field(default_factory=list)
     _offset: int = 0
@@ -235,6 +236,7 @@ class _Worker:
                 self.ready_s = t
                 self.host = record.get("host")
                 self.device = record.get("device")
+                self.gpu = record.get("gpu")
             elif record.get("suspended"):
                 self.suspended_step = record.get("step")
             elif "step" in record and "workers" in record:
@@ -257,6 +259,7 @@ class _Worker:
             "where": self.handle.where,
             "host": self.host,
             "device": self.device,
+            "gpu": self.gpu,
             "launched_s": self.launched_s,
             "placed_s": self.placed_s,
             "ready_s": self.ready_s,

@@ -16,7 +16,7 @@ A cluster slot is an emulated device (Note [Emulated device time]). The worker a
 one JSON line per line of news to ``--log``, flushed at once, for the runner to read
 while it runs::
 
-    {"t": ..., "ready": true, "pid": ..., "host": ..., "device": ...}
+    {"t": ..., "ready": true, "pid": ..., "host": ..., "device": ..., "gpu": ...}
                                                      imported, data loaded
     {"t": ..., "step": k, "workers": w, "rank": r}   step k done on w workers
     {"t": ..., "events": [...], "step": n, "params_sha256": ...}
@@ -27,8 +27,11 @@ while it runs::
 
 ``t`` is ``time.time()``. ``host`` is the node (Slurm's ``SLURMD_NODENAME``, else the
 host name), ``device`` the devices the cluster gave it (``CUDA_VISIBLE_DEVICES``, None
-when unset: the slot is emulated). ``params_sha256`` digests the model's parameters
-after the worker's last step (bitwise equal runs, equal digests). ``--timeout`` (how
+when unset: the slot is emulated), ``gpu`` the index among them that an NCCL worker
+would make its own (Note [A worker's GPU], vflow/world/devices.py: Slurm's
+``SLURM_LOCALID`` against what it bound; None when emulated). ``params_sha256``
+digests the model's parameters after the worker's last step (bitwise equal runs, equal
+digests). ``--timeout`` (how
 long a collective may wait for a late peer) defaults to three of the job's slowest
 steps, at least 30 s. Exit status 0 when the job finished, when this worker left, when
 the job was suspended, and when the job had finished before it could join; 1 when the
@@ -68,6 +71,7 @@ from vflow.demo.digits import load_digits_split
 from vflow.demo.elastic_scenario import build_executor, run_step
 from vflow.elastic import add_job_arguments, job_from_args
 from vflow.runtime.results import StepResult
+from vflow.world.devices import local_gpu
 from vflow.world.group import use_loopback_for_gloo
 
 __all__ = ["main", "params_digest", "parse_args"]
@@ -146,9 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     job = job_from_args(args, min_workers=1, max_workers=spec.max_workers)
     with open(args.log, "a", buffering=1) as log:
+        device = os.environ.get("CUDA_VISIBLE_DEVICES")
         where = {
             "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
-            "device": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "device": device,
+            # The slots' GPUs may be a test cluster's files, not devices torch sees: the
+            # choice is made against what the cluster bound.
+            "gpu": None if not device else local_gpu(visible=len(device.split(","))),
         }
         _write(log, {"ready": True, "pid": os.getpid(), **where})
         work_s = 0.0  # real seconds of this worker's previous step (Note [Emulated device time])
