@@ -68,11 +68,16 @@ def test_dead_rank_reports_exit_code_and_survivor_fails_fast():
     assert "killed" not in results[0].error
 
 
+# Long enough for both ranks to start and form their group on a loaded 2-core machine
+# (a CI run beside a build took over 8 s), so that only the hung rank is still running.
+HUNG_TIMEOUT_S = 20
+
+
 def test_hung_rank_raises_timeout_error_naming_it():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2") as info:
-        run_ranks(2, _sleep_on_rank_1, timeout=8, collective_timeout=5)
-    assert time.monotonic() - start < 8 + 10
+        run_ranks(2, _sleep_on_rank_1, timeout=HUNG_TIMEOUT_S, collective_timeout=5)
+    assert time.monotonic() - start < HUNG_TIMEOUT_S + 10
     # With the Python stack faulthandler dumped from the hung rank before the deadline.
     assert "--- rank 1, where it hung ---" in str(info.value)
     assert "_sleep_on_rank_1" in str(info.value)
