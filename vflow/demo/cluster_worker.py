@@ -31,12 +31,11 @@ when unset: the slot is emulated), ``gpu`` the index among them that an NCCL wor
 would make its own (Note [A worker's GPU], vflow/world/devices.py: Slurm's
 ``SLURM_LOCALID`` against what it bound; None when emulated). ``params_sha256``
 digests the model's parameters after the worker's last step (bitwise equal runs, equal
-digests). ``--timeout`` (how
-long a collective may wait for a late peer) defaults to three of the job's slowest
-steps, at least 30 s. Exit status 0 when the job finished, when this worker left, when
-the job was suspended, and when the job had finished before it could join; 1 when the
-job could not go on (an unreachable store, a refused join, a suspended job without its
-checkpoint), with the reason on stderr.
+digests). ``--timeout`` (how long a collective may wait for a late peer) defaults to
+three of the job's slowest steps, at least 30 s. Exit status 0 when the job finished,
+when this worker left, when the job was suspended, and when the job had finished before
+it could join; 1 when the job could not go on (an unreachable store, a refused join, a
+suspended job without its checkpoint), with the reason on stderr.
 
 Note [Emulated device time]
 On a real cluster a step of the job takes ``step_time(w)`` on w devices; here every
